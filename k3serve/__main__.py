@@ -1,0 +1,3 @@
+from k3serve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Pieces shared by several components (metrics catalog, OpenAI protocol, hashing helpers)."""

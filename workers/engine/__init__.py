@@ -1,0 +1,1 @@
+"""The serving engine: requests, hybrid KV cache, scheduler, model runner, LLMEngine."""
