@@ -1,0 +1,88 @@
+"""Tiny shared helpers for benchmark scripts: aligned tables and median timing.
+
+Benchmarks run as scripts (`PYTHONSAFEPATH=1 .venv/bin/python benchmarks/x.py`) and import this with
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _util import print_table, timeit
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+
+def format_cell(value: Any) -> str:
+    """str() for most values; floats get 4 significant digits (no exponent between 1e-3 and 1e6)."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return str(value)
+        if value == 0 or 1e-3 <= abs(value) < 1e6:
+            return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
+        return f"{value:.3e}"
+    return str(value)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """The table as text: a header line, a dashed rule, one line per row; numbers right-aligned.
+
+    Every row must have len(headers) cells. Columns are separated by two spaces; no trailing spaces.
+    """
+    cells = [[format_cell(v) for v in row] for row in rows]
+    for i, row in enumerate(cells):
+        if len(row) != len(headers):
+            raise ValueError(f"row {i} has {len(row)} cells, expected {len(headers)}")
+    widths = [max([len(h)] + [len(r[c]) for r in cells]) for c, h in enumerate(headers)]
+    numeric = [
+        bool(rows) and all(isinstance(r[c], int | float) and not isinstance(r[c], bool) for r in rows)
+        for c in range(len(headers))
+    ]
+
+    def line(parts: Sequence[str]) -> str:
+        out = [p.rjust(w) if num else p.ljust(w) for p, w, num in zip(parts, widths, numeric)]
+        return "  ".join(out).rstrip()
+
+    lines = [line(list(headers)), line(["-" * w for w in widths])]
+    lines += [line(r) for r in cells]
+    return "\n".join(lines)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], file: TextIO | None = None) -> None:
+    """Print `format_table(headers, rows)` to `file` (default stdout) and flush."""
+    out = file if file is not None else sys.stdout
+    print(format_table(headers, rows), file=out, flush=True)
+
+
+def _cuda_sync() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def timeit(
+    fn: Callable[[], Any], repeat: int = 5, warmup: int = 1, sync: Callable[[], None] | None = _cuda_sync
+) -> float:
+    """Median wall time of `fn()` in seconds over `repeat` timed calls after `warmup` untimed calls.
+
+    `sync` runs before the clock starts and before it stops (default: torch.cuda.synchronize() when
+    torch is imported and CUDA is initialised, so GPU work is counted); pass None to skip it.
+    """
+    if repeat < 1 or warmup < 0:
+        raise ValueError("repeat must be >= 1 and warmup >= 0")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

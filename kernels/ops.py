@@ -1,0 +1,263 @@
+"""Kernel entry points with the serving signatures; the model runner calls these.
+
+Dispatch happens in ONE place, `_impl(name, tensor)`: a tensor on CUDA goes to the implementation
+registered for the "triton" backend under that op name (if any), everything else to
+`k3serve.kernels.reference`. A Triton package registers itself with `register_impl(name, fn)`; the
+module `k3serve.kernels.triton_ops`, if it exists, is imported on the first CUDA call so it can do so.
+Setting the environment variable K3SERVE_KERNELS=reference forces the reference ops everywhere.
+Registered functions must have exactly the reference signature (see the reference docstrings).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+
+import torch
+
+from . import reference
+
+TRITON = "triton"
+_AUTOLOAD_MODULE = "k3serve.kernels.triton_ops"
+_registry: dict[str, dict[str, Callable]] = {TRITON: {}}
+_autoload_done = False
+
+
+def register_impl(name: str, fn: Callable, backend: str = TRITON) -> None:
+    """Register `fn` as the `backend` implementation of op `name` (one of `reference.OPS`)."""
+    if name not in reference.OPS:
+        raise ValueError(f"unknown kernel op {name!r}")
+    _registry.setdefault(backend, {})[name] = fn
+
+
+def unregister_impl(name: str, backend: str = TRITON) -> None:
+    """Remove a registration (no-op if absent)."""
+    _registry.get(backend, {}).pop(name, None)
+
+
+def registered(backend: str = TRITON) -> dict[str, Callable]:
+    """A copy of {op name: fn} registered for `backend`."""
+    return dict(_registry.get(backend, {}))
+
+
+def _autoload() -> None:
+    global _autoload_done
+    if _autoload_done:
+        return
+    _autoload_done = True
+    try:
+        importlib.import_module(_AUTOLOAD_MODULE)
+    except ModuleNotFoundError as e:  # no Triton package (or no triton): stay on the reference ops
+        if e.name not in (_AUTOLOAD_MODULE, "triton"):
+            raise
+
+
+def _impl(name: str, tensor: torch.Tensor) -> Callable:
+    """The implementation of op `name` for data living where `tensor` lives."""
+    if tensor.is_cuda and os.environ.get("K3SERVE_KERNELS", "") != "reference":
+        _autoload()
+        fn = _registry[TRITON].get(name)
+        if fn is not None:
+            return fn
+    return getattr(reference, name)
+
+
+def rms_norm(x, weight, eps):
+    return _impl("rms_norm", x)(x, weight, eps)
+
+
+def l2_normalize(x, eps=1e-6):
+    return _impl("l2_normalize", x)(x, eps)
+
+
+def situ_and_mul(x, beta=4.0, linear_beta=None):
+    return _impl("situ_and_mul", x)(x, beta, linear_beta)
+
+
+def silu_and_mul(x):
+    return _impl("silu_and_mul", x)(x)
+
+
+def causal_conv1d_varlen(
+    x,
+    weight,
+    conv_states,
+    state_indices,
+    cu_seqlens,
+    has_initial_state,
+    *,
+    activation="silu",
+    checkpoint_seq=None,
+    checkpoint_offsets=None,
+    checkpoint_slots=None,
+):
+    return _impl("causal_conv1d_varlen", x)(
+        x,
+        weight,
+        conv_states,
+        state_indices,
+        cu_seqlens,
+        has_initial_state,
+        activation=activation,
+        checkpoint_seq=checkpoint_seq,
+        checkpoint_offsets=checkpoint_offsets,
+        checkpoint_slots=checkpoint_slots,
+    )
+
+
+def kda_gate(raw_g, A_log, dt_bias, lower_bound=None):
+    return _impl("kda_gate", raw_g)(raw_g, A_log, dt_bias, lower_bound)
+
+
+def kda_recurrent(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state_pool,
+    state_indices,
+    cu_seqlens,
+    has_initial_state,
+    *,
+    scale=None,
+    use_qk_l2norm=True,
+    checkpoint_seq=None,
+    checkpoint_offsets=None,
+    checkpoint_slots=None,
+):
+    return _impl("kda_recurrent", q)(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state_pool,
+        state_indices,
+        cu_seqlens,
+        has_initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        checkpoint_seq=checkpoint_seq,
+        checkpoint_offsets=checkpoint_offsets,
+        checkpoint_slots=checkpoint_slots,
+    )
+
+
+def kda_chunked(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state_pool,
+    state_indices,
+    cu_seqlens,
+    has_initial_state,
+    *,
+    scale=None,
+    use_qk_l2norm=True,
+    checkpoint_seq=None,
+    checkpoint_offsets=None,
+    checkpoint_slots=None,
+    chunk_size=64,
+):
+    return _impl("kda_chunked", q)(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state_pool,
+        state_indices,
+        cu_seqlens,
+        has_initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        checkpoint_seq=checkpoint_seq,
+        checkpoint_offsets=checkpoint_offsets,
+        checkpoint_slots=checkpoint_slots,
+        chunk_size=chunk_size,
+    )
+
+
+def attn_res(partial, delta, blocks, w_norm, w_q, w_out, n, write_idx, eps, eps_out=None, round_dtype=None):
+    return _impl("attn_res", partial)(
+        partial, delta, blocks, w_norm, w_q, w_out, n, write_idx, eps, eps_out, round_dtype
+    )
+
+
+def mla_write_cache(c_kv, k_pe, kv_cache, slot_mapping):
+    return _impl("mla_write_cache", kv_cache)(c_kv, k_pe, kv_cache, slot_mapping)
+
+
+def mla_paged_attention(q_lat, q_pe, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, kv_lora_rank):
+    return _impl("mla_paged_attention", q_lat)(
+        q_lat, q_pe, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, kv_lora_rank=kv_lora_rank
+    )
+
+
+def mla_attention_expanded(q_nope, q_pe, k_nope, k_pe, v, scale, causal=True):
+    return _impl("mla_attention_expanded", q_nope)(q_nope, q_pe, k_nope, k_pe, v, scale, causal)
+
+
+def moe_route(
+    router_logits,
+    correction_bias,
+    top_k,
+    *,
+    num_expert_group=1,
+    topk_group=1,
+    renormalize=True,
+    routed_scaling_factor=1.0,
+    scoring="sigmoid",
+):
+    return _impl("moe_route", router_logits)(
+        router_logits,
+        correction_bias,
+        top_k,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        renormalize=renormalize,
+        routed_scaling_factor=routed_scaling_factor,
+        scoring=scoring,
+    )
+
+
+def moe_experts(
+    z,
+    topk_weights,
+    topk_ids,
+    *,
+    w13=None,
+    w2=None,
+    w13_packed=None,
+    w13_scale=None,
+    w2_packed=None,
+    w2_scale=None,
+    activation="situ",
+    situ_beta=4.0,
+    situ_linear_beta=None,
+):
+    return _impl("moe_experts", z)(
+        z,
+        topk_weights,
+        topk_ids,
+        w13=w13,
+        w2=w2,
+        w13_packed=w13_packed,
+        w13_scale=w13_scale,
+        w2_packed=w2_packed,
+        w2_scale=w2_scale,
+        activation=activation,
+        situ_beta=situ_beta,
+        situ_linear_beta=situ_linear_beta,
+    )
+
+
+for _name in reference.OPS:  # the wrappers document themselves with the reference contract
+    globals()[_name].__doc__ = getattr(reference, _name).__doc__
+del _name
+
+__all__ = [*reference.OPS, "register_impl", "unregister_impl", "registered"]

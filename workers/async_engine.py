@@ -1,0 +1,348 @@
+"""AsyncEngine: an LLMEngine driven by ONE background thread, consumed from asyncio.
+
+    engine = AsyncEngine(LLMEngine.from_args(args), model_name="k3", metrics=EngineMetrics(...))
+    engine.start()
+    async for out in engine.generate(rid, prompt_ids, params):   # cumulative RequestOutputs
+        ...
+    engine.abort(rid)          # from any thread; the stream ends with finish_reason "abort"
+    engine.shutdown()
+
+Contract:
+
+* `add_request()` waits until the engine thread has accepted the request, so a rejection
+  (ValueError / SamplingParamsError from `LLMEngine.add_request`, e.g. a prompt that cannot fit)
+  is raised to the caller before any output; it returns a `RequestStream`.
+* `generate()` = `add_request()` + iterate; leaving the iteration early (break, cancellation,
+  client disconnect) aborts the request in the engine.
+* Request ids must be unique among in-flight requests (`new_request_id()` makes uuid-based ones);
+  a duplicate raises ValueError.
+* If the engine thread dies (an exception from `step()`), every in-flight stream raises
+  `EngineDeadError` (with the cause in its message), later calls raise it at once, and
+  `is_healthy()` turns False. Nothing waits forever.
+* The engine object is only ever touched from the engine thread (after `start()`); `stats()`
+  returns the snapshot taken after the latest step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from k3serve.workers.outputs import CompletionOutput, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (it failed, or the engine was shut down)."""
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class _Add:
+    rid: str
+    prompt: list[int]
+    params: object
+    cache_salt: str | None
+    arrival: float
+    ack: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    rid: str
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping of an accepted request."""
+
+    prompt: list[int]
+    n: int
+    last: RequestOutput | None = None
+
+
+class _Wake:
+    pass
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
+
+
+def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative RequestOutputs; ends after the finished one."""
+
+    def __init__(self, engine: AsyncEngine, rid: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = rid
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self.last: RequestOutput | None = None
+
+    # called on the engine thread
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        _deliver(self._loop, self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.last = item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort in the engine unless already finished (idempotent)."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs `engine` (LLMEngine contract) on a background thread; see the module docstring."""
+
+    def __init__(self, engine, *, model_name: str, metrics=None, idle_wait_s: float = 0.25,
+                 clock=time.monotonic):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self._idle_wait_s = idle_wait_s
+        self._clock = clock
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}  # in flight (guarded by _lock)
+        self._accepted: dict[str, _Live] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._error: BaseException | None = None
+        self._stats: dict = {}
+        self.started_at: float | None = None
+
+    # --- static facts of the wrapped engine -----------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._refresh_stats()
+        self._thread = threading.Thread(target=self._run, name="k3serve-engine", daemon=True)
+        self.started_at = self._clock()
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._cmds.put(_Wake())
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def is_healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None \
+            and not self._stopping.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def _dead_error(self) -> EngineDeadError:
+        if self._error is not None:
+            return EngineDeadError(f"engine failed: {type(self._error).__name__}: {self._error}")
+        return EngineDeadError("engine is not running")
+
+    def stats(self) -> dict:
+        """Latest `LLMEngine.stats()` snapshot (empty dict if the engine has none)."""
+        return dict(self._stats)
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    # --- requests -----------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Hand a request to the engine thread; returns once accepted (raises what add_request raised)."""
+        if not self.is_healthy():
+            raise self._dead_error()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id, loop)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+        ack = loop.create_future()
+        self._cmds.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, self._clock(), ack, loop))
+        try:
+            await ack
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative RequestOutputs until the finished one; early exit aborts the request."""
+        stream = await self.add_request(request_id, prompt_token_ids, params, cache_salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request (thread-safe); returns whether it was in flight."""
+        with self._lock:
+            known = request_id in self._streams
+        if known:
+            self._cmds.put(_Abort(request_id))
+        return known
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self._stopping.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._refresh_stats()
+        except BaseException as e:  # noqa: BLE001 - the thread must report every failure
+            log.exception("engine thread failed")
+            self._error = e
+        finally:
+            self._fail_all(self._dead_error())
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=self._idle_wait_s) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                if cmd.cache_salt is not None:
+                    self.engine.add_request(cmd.rid, cmd.prompt, cmd.params, cache_salt=cmd.cache_salt)
+                else:
+                    self.engine.add_request(cmd.rid, cmd.prompt, cmd.params)
+            except Exception as e:  # rejected: report to the caller, the engine is fine
+                _deliver(cmd.loop, _set_future, cmd.ack, e)
+                return
+            self._accepted[cmd.rid] = _Live(cmd.prompt, int(getattr(cmd.params, "n", 1) or 1))
+            if self.metrics is not None:
+                self.metrics.on_arrival(cmd.rid, len(cmd.prompt), cmd.arrival)
+            _deliver(cmd.loop, _set_future, cmd.ack, None)
+        elif isinstance(cmd, _Abort):
+            if cmd.rid not in self._accepted:
+                with self._lock:
+                    self._streams.pop(cmd.rid, None)
+                return
+            self.engine.abort_request([cmd.rid])
+            live = self._accepted.pop(cmd.rid)
+            if self.metrics is not None:
+                self.metrics.on_abort(cmd.rid, self._clock())
+            with self._lock:
+                stream = self._streams.pop(cmd.rid, None)
+            if stream is not None:
+                stream._push(_aborted_output(cmd.rid, live))
+
+    def _step(self) -> None:
+        t0 = self._clock()
+        outputs = self.engine.step()
+        t1 = self._clock()
+        if self.metrics is not None:
+            self.metrics.on_step(outputs, t0, t1)
+        for out in outputs:
+            if out.request_id not in self._accepted:
+                continue
+            with self._lock:
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+            if out.finished:
+                self._accepted.pop(out.request_id, None)
+            else:
+                self._accepted[out.request_id].last = out
+            if stream is not None:
+                stream._push(out)
+
+    def _refresh_stats(self) -> None:
+        fn = getattr(self.engine, "stats", None)
+        if fn is None:
+            return
+        stats = dict(fn())
+        self._stats = stats
+        if self.metrics is not None:
+            self.metrics.on_stats(stats)
+
+    def _fail_all(self, exc: EngineDeadError) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for s in streams:
+            s._push(exc)
+        # Fail adds that were queued but never handled.
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                _deliver(cmd.loop, _set_future, cmd.ack, exc)
+
+
+def _aborted_output(rid: str, live: _Live) -> RequestOutput:
+    """The final output of an aborted request: what it had so far, unfinished sequences marked "abort"."""
+    if live.last is None:
+        outs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(live.n)]
+        return RequestOutput(request_id=rid, prompt=None, prompt_token_ids=list(live.prompt), outputs=outs,
+                             finished=True)
+    outs = [c if c.finish_reason else replace(c, finish_reason="abort", token_ids=list(c.token_ids))
+            for c in live.last.outputs]
+    return replace(live.last, outputs=outs, finished=True)

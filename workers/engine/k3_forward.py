@@ -1,0 +1,223 @@
+"""The K3 forward pass over a flattened batch with the hybrid cache (the engine's model).
+
+Every sequence in the batch contributes a chunk of tokens at known positions; MLA layers write
+their latent pages then attend over the paged cache (absorbed form), KDA layers run the short conv
+and the chunked delta rule from / into their state slots, with in-pass snapshot exports. The hot
+ops come from `k3serve.kernels.ops` (reference PyTorch on the CPU, Triton on CUDA); the glue
+(projections, RoPE) is shared with the reference model's functional helpers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3serve.kernels import ops
+from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
+from k3serve.workers.model.functional import LayerWeights, acc_dtype, linear, rope_interleaved
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors for one step (views into the runner's persistent buffers)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    cu_seqlens: torch.Tensor  # [B+1] int64
+    seq_lens: torch.Tensor  # [B] context length after this step
+    block_tables: list[torch.Tensor]  # per MLA group [B, max_blocks] int32
+    slot_mapping: list[torch.Tensor]  # per MLA group [T] int64
+    state_indices: list[torch.Tensor]  # per KDA group [B] int64
+    has_initial_state: torch.Tensor  # [B] bool
+    checkpoint_seq: torch.Tensor | None  # [N] int64
+    checkpoint_offsets: torch.Tensor | None  # [N] int64
+    checkpoint_slots: list[torch.Tensor] | None  # per KDA group [N] int64
+    logits_indices: torch.Tensor  # [S] rows whose logits are needed
+
+
+class K3ForwardModel:
+    def __init__(self, config, weights: dict[str, torch.Tensor], layout: CacheLayout,
+                 kv: KVCacheTensors, dtype: torch.dtype):
+        self.cfg = config
+        self.w = weights
+        self.layout = layout
+        self.kv = kv
+        self.dtype = dtype
+        self.acc = acc_dtype(dtype)
+        self.layer_map = layout.layer_map()
+        self.group_index = {}  # group_id -> index among groups of its kind
+        for kind_groups in (layout.mla_groups, layout.kda_groups):
+            for i, g in enumerate(kind_groups):
+                self.group_index[g.group_id] = i
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Precompute fused views (conv weights, absorbed MLA matrices) once."""
+        cfg, w = self.cfg, self.w
+        self.conv_w: dict[int, torch.Tensor] = {}
+        self.w_uk: dict[int, torch.Tensor] = {}
+        self.w_uv: dict[int, torch.Tensor] = {}
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            if cfg.is_kda_layer(i):
+                self.conv_w[i] = torch.cat([w[p + f"{n}_conv1d.weight"] for n in "qkv"], 0).to(self.acc)
+            else:
+                h, dn, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
+                kvb = w[p + "kv_b_proj.weight"].view(h, dn + dv, r)
+                self.w_uk[i] = kvb[:, :dn, :].contiguous()
+                self.w_uv[i] = kvb[:, dn:, :].contiguous()
+
+    # -- layers --------------------------------------------------------------------------------
+    def _kda(self, i: int, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        w = LayerWeights(self.w, f"model.layers.{i}.self_attn.")
+        group, j = self.layer_map[i]
+        gi = self.group_index[group.group_id]
+        T = x.shape[0]
+        h, d = cfg.kda_num_heads, cfg.kda_head_dim
+        P = h * d
+        qkv = torch.cat([linear(x, w["q_proj.weight"]), linear(x, w["k_proj.weight"]),
+                         linear(x, w["v_proj.weight"])], dim=-1)
+        ck = self._ckpt(b, gi)
+        qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
+                                       b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
+        q, k, v = (t.reshape(T, h, d) for t in qkv.split(P, dim=-1))
+        raw_g = linear(linear(x, w["f_a_proj.weight"]), w["f_b_proj.weight"]).view(T, h, d)
+        g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
+        beta = torch.sigmoid(linear(x, w["b_proj.weight"]).to(self.acc))
+        o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
+                            b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
+        if "g_proj.weight" in w:
+            gate = linear(x, w["g_proj.weight"])
+        else:
+            gate = linear(linear(x, w["g_a_proj.weight"]), w["g_b_proj.weight"])
+        o = ops.rms_norm(o.to(self.acc), w["o_norm.weight"].to(self.acc), cfg.rms_norm_eps)
+        o = (o * torch.sigmoid(gate.view(T, h, d).to(self.acc))).to(x.dtype)
+        return linear(o.reshape(T, P), w["o_proj.weight"])
+
+    @staticmethod
+    def _ckpt(b: ForwardBatch, gi: int) -> dict:
+        if b.checkpoint_seq is None:
+            return {}
+        return dict(checkpoint_seq=b.checkpoint_seq, checkpoint_offsets=b.checkpoint_offsets,
+                    checkpoint_slots=b.checkpoint_slots[gi])
+
+    def _mla(self, i: int, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        w = LayerWeights(self.w, f"model.layers.{i}.self_attn.")
+        group, j = self.layer_map[i]
+        gi = self.group_index[group.group_id]
+        T = x.shape[0]
+        h, dn, dr, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim, cfg.kv_lora_rank)
+        eps = cfg.rms_norm_eps
+        if cfg.q_lora_rank:
+            cq = ops.rms_norm(linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], eps)
+            q = linear(cq, w["q_b_proj.weight"])
+        else:
+            q = linear(x, w["q_proj.weight"])
+        q = q.view(T, h, dn + dr)
+        q_nope, q_pe = q[..., :dn], q[..., dn:]
+        kv_a = linear(x, w["kv_a_proj_with_mqa.weight"])
+        c_kv = ops.rms_norm(kv_a[:, :r], w["kv_a_layernorm.weight"], eps)
+        k_pe = kv_a[:, r:]
+        if not cfg.mla_use_nope:
+            q_pe = rope_interleaved(q_pe, b.positions, cfg.rope_theta)
+            k_pe = rope_interleaved(k_pe, b.positions, cfg.rope_theta)
+        cache = self.kv.mla_view(j)
+        ops.mla_write_cache(c_kv, k_pe, cache, b.slot_mapping[gi])
+        q_lat = torch.einsum("thn,hnl->thl", q_nope, self.w_uk[i].to(x.dtype))
+        o_lat = ops.mla_paged_attention(q_lat, q_pe.contiguous(), cache, b.block_tables[gi], b.seq_lens,
+                                        b.cu_seqlens, (dn + dr) ** -0.5, kv_lora_rank=r)
+        o = torch.einsum("thl,hvl->thv", o_lat.to(x.dtype), self.w_uv[i].to(x.dtype))
+        if cfg.mla_use_output_gate:
+            o = o * torch.sigmoid(linear(x, w["g_proj.weight"]).view(T, h, dv).to(self.acc)).to(x.dtype)
+        return linear(o.reshape(T, h * dv), w["o_proj.weight"])
+
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.cfg.hidden_act == "situ":
+            return ops.situ_and_mul(gate_up, self.cfg.situ_beta, self.cfg.situ_linear_beta)
+        return ops.silu_and_mul(gate_up)
+
+    def _dense_mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gu = torch.cat([linear(x, w["gate_proj.weight"]), linear(x, w["up_proj.weight"])], dim=-1)
+        return linear(self._act_mul(gu), w["down_proj.weight"])
+
+    def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
+        logits = linear(x.to(self.acc), w["gate.weight"].to(self.acc))
+        weights, ids = ops.moe_route(
+            logits, w["gate.e_score_correction_bias"].to(self.acc), cfg.num_experts_per_token,
+            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
+            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor)
+        z = linear(x, w["routed_expert_down_proj.weight"]) if cfg.routed_expert_hidden_size else x
+        if cfg.experts_mxfp4:
+            ex = dict(w13_packed=w["experts.w13_packed"], w13_scale=w["experts.w13_scale"],
+                      w2_packed=w["experts.w2_packed"], w2_scale=w["experts.w2_scale"])
+        else:
+            ex = dict(w13=w["experts.w13"], w2=w["experts.w2"])
+        r = ops.moe_experts(z, weights, ids, activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
+                            situ_linear_beta=cfg.situ_linear_beta, **ex)
+        if cfg.routed_expert_hidden_size:
+            if cfg.latent_moe_use_norm:
+                r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
+            r = linear(r, w["routed_expert_up_proj.weight"])
+        if cfg.num_shared_experts:
+            r = r + self._dense_mlp(w.sub("shared_experts."), x)
+        return r
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.is_moe_layer(i):
+            return self._moe(i, x)
+        return self._dense_mlp(LayerWeights(self.w, f"model.layers.{i}.mlp."), x)
+
+    def _attn(self, i: int, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        return self._kda(i, x, b) if self.cfg.is_kda_layer(i) else self._mla(i, x, b)
+
+    # -- the stack -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, b: ForwardBatch) -> torch.Tensor:
+        """Returns logits [S, V] (float32, or float64 for float64 models) for `b.logits_indices`."""
+        cfg, W = self.cfg, self.w
+        emb = W["model.embed_tokens.weight"][b.input_ids].to(self.dtype)
+        eps = cfg.rms_norm_eps
+        L = cfg.num_hidden_layers
+        round_dtype = None if self.dtype in (torch.float32, torch.float64) else self.dtype
+        if cfg.attn_res_block_size is None:
+            hsum = emb
+            for i in range(L):
+                lw = LayerWeights(W, f"model.layers.{i}.")
+                hsum = hsum + self._attn(i, ops.rms_norm(hsum, lw["input_layernorm.weight"], eps), b)
+                hsum = hsum + self._mlp(i, ops.rms_norm(hsum, lw["post_attention_layernorm.weight"], eps))
+            h = hsum
+        else:
+            B = cfg.attn_res_block_size
+            nb = cfg.num_attn_res_blocks
+            T = emb.shape[0]
+            blocks = torch.zeros(T, nb, emb.shape[1], dtype=self.dtype, device=emb.device)
+            partial = emb.clone()
+            delta = None
+            for i in range(L):
+                lw = LayerWeights(W, f"model.layers.{i}.")
+                write = i % B == 0
+                prev = -(-i // B)
+                x = ops.attn_res(partial, delta, blocks, lw["self_attention_res_norm.weight"],
+                                 lw["self_attention_res_proj.weight"], lw["input_layernorm.weight"], prev,
+                                 i // B if write else -1, eps, round_dtype=round_dtype)
+                a = self._attn(i, x, b)
+                if write:
+                    partial.copy_(a)
+                    delta = None
+                else:
+                    delta = a
+                y = ops.attn_res(partial, delta, blocks, lw["mlp_res_norm.weight"], lw["mlp_res_proj.weight"],
+                                 lw["post_attention_layernorm.weight"], prev + int(write), -1, eps,
+                                 round_dtype=round_dtype)
+                delta = self._mlp(i, y)
+            h = ops.attn_res(partial, delta, blocks, W["model.output_attn_res_norm.weight"],
+                             W["model.output_attn_res_proj.weight"], None, nb, -1, eps, round_dtype=round_dtype)
+        h = h[b.logits_indices]
+        h = ops.rms_norm(h, W["model.norm.weight"], eps)
+        return linear(h.to(self.acc), W["lm_head.weight"].to(self.acc))

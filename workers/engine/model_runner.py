@@ -1,0 +1,112 @@
+"""ModelRunner: turns a SchedulerOutput into device tensors and runs the forward pass.
+
+Inputs are built without a Python loop over tokens (per-sequence loops only, over block tables)
+and copied into persistent, fixed-capacity buffers, so a decode step always reads the same
+addresses (what CUDA-graph capture needs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
+from k3serve.workers.engine.k3_forward import ForwardBatch, K3ForwardModel
+from k3serve.workers.engine.scheduler import SchedulerOutput
+
+
+class InputBuffers:
+    """Fixed-capacity device buffers; `view(T, B)` hands out the leading slices."""
+
+    def __init__(self, layout: CacheLayout, max_tokens: int, max_seqs: int, max_blocks: int, device):
+        i64 = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(max_tokens, **i64)
+        self.positions = torch.zeros(max_tokens, **i64)
+        self.cu_seqlens = torch.zeros(max_seqs + 1, **i64)
+        self.seq_lens = torch.zeros(max_seqs, **i64)
+        self.has_initial_state = torch.zeros(max_seqs, dtype=torch.bool, device=device)
+        self.block_tables = [torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+                             for _ in layout.mla_groups]
+        self.slot_mapping = [torch.zeros(max_tokens, **i64) for _ in layout.mla_groups]
+        self.state_indices = [torch.zeros(max_seqs, **i64) for _ in layout.kda_groups]
+        self.logits_indices = torch.zeros(max_seqs, **i64)
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+
+
+class ModelRunner:
+    def __init__(self, config, weights, layout: CacheLayout, num_blocks: int, dtype: torch.dtype,
+                 device: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.kv = KVCacheTensors(layout, num_blocks, self.device)
+        self.model = K3ForwardModel(config, weights, layout, self.kv, dtype)
+        self.max_blocks = math.ceil(max_model_len / layout.block_size)
+        self.buf = InputBuffers(layout, max_num_batched_tokens, max_num_seqs, self.max_blocks, self.device)
+
+    def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
+        chunks = sched.chunks
+        nseq = len(chunks)
+        qlens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=nseq)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=nseq)
+        T = int(qlens.sum())
+        cu = np.zeros(nseq + 1, dtype=np.int64)
+        np.cumsum(qlens, out=cu[1:])
+        ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=T)
+        seq_of_tok = np.repeat(np.arange(nseq), qlens)
+        positions = np.repeat(starts, qlens) + (np.arange(T) - np.repeat(cu[:-1], qlens))
+        buf = self.buf
+        dev = self.device
+
+        def put(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+            out = dst[: len(src)]
+            out.copy_(torch.from_numpy(src), non_blocking=True)
+            return out
+
+        input_ids = put(buf.input_ids, ids)
+        pos_t = put(buf.positions, positions)
+        cu_t = put(buf.cu_seqlens, cu)
+        seq_lens = put(buf.seq_lens, starts + qlens)
+        has_init = buf.has_initial_state[:nseq]
+        has_init.copy_(torch.tensor([c.plan.has_initial_state for c in chunks], dtype=torch.bool))
+        B = self.layout.block_size
+        block_tables, slot_mapping = [], []
+        for gi in range(len(self.layout.mla_groups)):
+            width = max(len(c.plan.mla_block_ids[gi]) for c in chunks)
+            bt = np.zeros((nseq, width), dtype=np.int32)
+            for r, c in enumerate(chunks):
+                row = c.plan.mla_block_ids[gi]
+                bt[r, : len(row)] = row
+            slots = bt[seq_of_tok, positions // B].astype(np.int64) * B + positions % B
+            bt_t = buf.block_tables[gi][:nseq, :width]
+            bt_t.copy_(torch.from_numpy(bt))
+            block_tables.append(bt_t)
+            slot_mapping.append(put(buf.slot_mapping[gi], slots))
+        state_indices = []
+        for gi in range(len(self.layout.kda_groups)):
+            state_indices.append(put(buf.state_indices[gi],
+                                     np.fromiter((c.plan.kda_slots[gi] for c in chunks), np.int64, nseq)))
+        ck_seq, ck_off, ck_slots = [], [], [[] for _ in self.layout.kda_groups]
+        for r, c in enumerate(chunks):
+            for off, slots in c.plan.checkpoints:
+                ck_seq.append(r)
+                ck_off.append(off)
+                for gi, s in enumerate(slots):
+                    ck_slots[gi].append(s)
+        sample_rows = np.fromiter((cu[r + 1] - 1 for r, c in enumerate(chunks) if c.sample), np.int64)
+        logits_idx = put(buf.logits_indices, sample_rows)
+        if ck_seq:
+            lt = dict(dtype=torch.long, device=dev)
+            ckpt = (torch.tensor(ck_seq, **lt), torch.tensor(ck_off, **lt),
+                    [torch.tensor(s, **lt) for s in ck_slots])
+        else:
+            ckpt = (None, None, None)
+        return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
+                            has_init, ckpt[0], ckpt[1], ckpt[2], logits_idx)
+
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns logits for the chunks with `sample=True`, in chunk order."""
+        self.kv.copy_blocks(sched.copies)
+        batch = self.prepare(sched)
+        return self.model.forward(batch)

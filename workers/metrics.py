@@ -1,0 +1,122 @@
+"""Engine metrics: the worker's catalog metrics (k3serve.common.metrics_catalog) fed from engine events.
+
+`EngineMetrics` is driven by AsyncEngine from its engine thread only (it keeps per-request timing
+state without locks); prometheus-client objects themselves are thread-safe for scraping.
+
+Events and what they update (all labelled with `model_name`):
+
+* `on_arrival(rid, prompt_len, t)`: starts the request's clock.
+* `on_step(outputs, t_start, t_end)`: `k3serve_engine_step_seconds`; per request output with new
+  tokens: `vllm:generation_tokens`, on its first tokens `vllm:time_to_first_token_seconds`,
+  `vllm:request_queue_time_seconds`, `vllm:prompt_tokens`, `vllm:prefix_cache_*`, afterwards
+  `vllm:inter_token_latency_seconds` (once per step, time since the previous tokens); on finish
+  `vllm:e2e_request_latency_seconds` and `vllm:request_success{finished_reason}`.
+* `on_abort(rid, t)`: a request aborted before the engine finished it (counted as finished_reason
+  "abort").
+* `on_stats(stats)`: the gauges from `LLMEngine.stats()` (running, waiting, kv_usage, free_pages,
+  kda_slots_used/total) and cumulative counters it may report (`num_preemptions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3serve.common.metrics_catalog import build
+
+
+@dataclass
+class _ReqTiming:
+    arrival: float
+    prompt_len: int
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+class EngineMetrics:
+    """Catalog metrics of one engine, registered in `registry` (a prometheus CollectorRegistry)."""
+
+    def __init__(self, registry, model_name: str):
+        self.registry = registry
+        self.model_name = model_name
+        self.m = build(registry, "worker")
+        self._reqs: dict[str, _ReqTiming] = {}
+        self._cumulative: dict[str, float] = {}
+
+    def _metric(self, name: str):
+        return self.m[name].labels(model_name=self.model_name)
+
+    # --- events -------------------------------------------------------------------------------
+    def on_arrival(self, rid: str, prompt_len: int, t: float) -> None:
+        self._reqs[rid] = _ReqTiming(arrival=t, prompt_len=prompt_len)
+
+    def on_step(self, outputs, t_start: float, t_end: float) -> None:
+        """`outputs`: the RequestOutputs of one engine step; timestamps from the same monotonic clock."""
+        self._metric("k3serve_engine_step_seconds").observe(max(0.0, t_end - t_start))
+        for out in outputs:
+            st = self._reqs.get(out.request_id)
+            if st is None:
+                continue
+            total = sum(len(c.token_ids) for c in out.outputs)
+            new = total - st.num_tokens
+            if new > 0:
+                self._metric("vllm:generation_tokens").inc(new)
+                if st.first_token is None:
+                    self._first_tokens(out, st, t_start, t_end)
+                else:
+                    self._metric("vllm:inter_token_latency_seconds").observe(max(0.0, t_end - st.last_token))
+                st.last_token = t_end
+                st.num_tokens = total
+            if out.finished:
+                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
+                self._finish(out.request_id, reason, t_end)
+
+    def _first_tokens(self, out, st: _ReqTiming, t_start: float, t_end: float) -> None:
+        st.first_token = t_end
+        self._metric("vllm:time_to_first_token_seconds").observe(max(0.0, t_end - st.arrival))
+        # The engine may report its own queue time; otherwise the request waited at least until the
+        # step that produced its first tokens began.
+        queue = out.metrics.get("queue_time") if isinstance(out.metrics, dict) else None
+        if queue is None:
+            queue = t_start - st.arrival
+        self._metric("vllm:request_queue_time_seconds").observe(max(0.0, float(queue)))
+        self._metric("vllm:prompt_tokens").inc(st.prompt_len)
+        self._metric("vllm:prefix_cache_queries").inc(st.prompt_len)
+        self._metric("vllm:prefix_cache_hits").inc(max(0, int(out.num_cached_tokens or 0)))
+
+    def on_abort(self, rid: str, t: float) -> None:
+        if rid in self._reqs:
+            self._finish(rid, "abort", t)
+
+    def _finish(self, rid: str, reason: str, t: float) -> None:
+        st = self._reqs.pop(rid, None)
+        if st is None:
+            return
+        self._metric("vllm:e2e_request_latency_seconds").observe(max(0.0, t - st.arrival))
+        self.m["vllm:request_success"].labels(model_name=self.model_name, finished_reason=reason).inc()
+
+    def on_stats(self, stats: dict) -> None:
+        gauges = {
+            "vllm:num_requests_running": "running",
+            "vllm:num_requests_waiting": "waiting",
+            "vllm:kv_cache_usage_perc": "kv_usage",
+            "k3serve_kv_pages_free": "free_pages",
+            "k3serve_kda_state_slots_used": "kda_slots_used",
+            "k3serve_kda_state_slots_total": "kda_slots_total",
+        }
+        for metric, key in gauges.items():
+            if stats.get(key) is not None:
+                self._metric(metric).set(float(stats[key]))
+        counters = {"vllm:num_preemptions": "num_preemptions"}
+        for metric, key in counters.items():
+            if stats.get(key) is None:
+                continue
+            value = float(stats[key])
+            delta = value - self._cumulative.get(key, 0.0)
+            if delta > 0:
+                self._metric(metric).inc(delta)
+            self._cumulative[key] = value
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._reqs)

@@ -1,0 +1,51 @@
+"""Argmax-invariant shaping for randomly sampled rows: temperature, min-p, top-k, top-p.
+
+Every function takes `logits: Tensor[M, V]` (float32 or float64; the M random rows) and per-row
+parameter tensors of shape [M] on the same device, and returns a new tensor of the same shape in
+which removed tokens are -inf. Order used by `Sampler` (vLLM v1): temperature, min-p, top-k, top-p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits / temperature per row; temperature: Tensor[M] > 0 (greedy rows never get here)."""
+    return logits / temperature.unsqueeze(1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is < min_p * (max probability of the row); min_p: Tensor[M].
+
+    Rows with min_p == 0 are unchanged (every probability is >= 0).
+    """
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p with one descending sort per row.
+
+    top_k: Tensor[M] int64, 0 = disabled; keeps every token whose logit is >= the k-th largest
+      (ties at the boundary are kept, as in vLLM, so exactly k survive when values are distinct).
+    top_p: Tensor[M] in (0, 1], 1 = disabled; on the top-k-renormalised distribution keeps the
+      smallest highest-probability prefix whose cumulative probability is >= p (always >= 1 token).
+    """
+    m, vocab = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+
+    use_p = top_p < 1.0
+    if bool(use_p.any()):
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # exclusive prefix
+        drop = (mass_before >= top_p.unsqueeze(1)) & use_p.unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

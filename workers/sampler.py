@@ -1,0 +1,27 @@
+"""Entry point for the engine: `from k3serve.workers.sampler import Sampler, SamplingState, ...`.
+
+The implementation lives in `k3serve.workers.sample` (one module per stage); this module only
+re-exports its public API.
+"""
+
+from k3serve.workers.sample import (
+    LogprobEntry,
+    Sampler,
+    SamplerOutput,
+    SamplingState,
+    compute_logprobs,
+    gather_logprobs,
+    make_generator,
+    token_ranks,
+)
+
+__all__ = [
+    "LogprobEntry",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingState",
+    "compute_logprobs",
+    "gather_logprobs",
+    "make_generator",
+    "token_ranks",
+]

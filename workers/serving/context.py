@@ -1,0 +1,158 @@
+"""What the HTTP handlers share: the engine, served names, tokenizer facts and request plumbing.
+
+`ServingContext` turns protocol-level inputs into engine submissions, mapping every rejection to a
+`ProtocolError` (400 for bad input, 500 for an engine failure), and `run_until_disconnect()` /
+`merge_streams()` make a client disconnect abort the engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+
+from k3serve.common import openai_protocol as P
+from k3serve.workers.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from k3serve.workers.sampling_params import SamplingParams, SamplingParamsError
+from k3serve.workers.serving.logprobs import TokenText
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its engine requests were aborted."""
+
+
+def engine_error(exc: BaseException) -> P.ProtocolError:
+    return P.ProtocolError(f"The engine failed while serving this request: {exc}", status_code=500,
+                           code="engine_error")
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    model_names: list[str]
+    token_text: TokenText = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_text = TokenText(self.engine.tokenizer)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.vocab_size)
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise P.model_not_found(model, self.model_names)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise P.ProtocolError(f"{param}: token id {t} is outside the vocabulary [0, {self.vocab_size})",
+                                      param=param)
+
+    def sampling_params(self, kwargs: dict) -> SamplingParams:
+        try:
+            return SamplingParams(**kwargs)
+        except SamplingParamsError as e:
+            raise P.ProtocolError(str(e), param=str(e).split(":", 1)[0]) from None
+        except (TypeError, ValueError) as e:
+            raise P.ProtocolError(f"invalid sampling parameters: {e}") from None
+
+    async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                     cache_salt: str | None) -> RequestStream:
+        try:
+            return await self.engine.add_request(rid, prompt_ids, params, cache_salt)
+        except EngineDeadError as e:
+            raise engine_error(e) from None
+        except ValueError as e:
+            raise P.ProtocolError(str(e)) from None
+
+    async def submit_all(self, items: list[tuple[str, list[int], SamplingParams]],
+                         cache_salt: str | None) -> list[RequestStream]:
+        """Submit a batch; if one is rejected the already accepted ones are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for rid, ids, params in items:
+                streams.append(await self.submit(rid, ids, params, cache_salt))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
+    """(stream index, RequestOutput) from several streams as they arrive; closing aborts unfinished ones.
+
+    An engine failure in any stream raises ProtocolError(500) after aborting the others.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, e))
+            return
+        await queue.put((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, EngineDeadError):
+                raise engine_error(item)
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+async def run_until_disconnect(request, work: Awaitable):
+    """Await `work`; if the HTTP client disconnects first, cancel it (which aborts its engine requests)
+    and raise ClientDisconnected. `request` is a Starlette Request whose body was already read."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        with contextlib.suppress(BaseException):
+            await watcher
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientDisconnected()
