@@ -11,6 +11,7 @@ import os
 import sys
 
 import torch
+
 from k3serve.workers.sampler import Sampler, SamplingState
 from k3serve.workers.sampling_params import SamplingParams
 

@@ -3,6 +3,7 @@
 import random
 
 import pytest
+
 from k3serve.workers.detokenizer import IncrementalDetokenizer
 from k3serve.workers.tokenizer import K3Tokenizer, write_tokenizer_files
 

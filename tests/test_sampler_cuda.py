@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from k3serve.workers.sampler import Sampler, SamplingState
 from k3serve.workers.sampling_params import SamplingParams
 

@@ -6,8 +6,14 @@ import math
 
 import pytest
 import torch
+
 from k3serve.workers.sample.filters import apply_min_p, apply_top_k_top_p
-from k3serve.workers.sample.processors import apply_logit_bias, apply_min_tokens, apply_penalties
+from k3serve.workers.sample.processors import (
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    token_counts,
+)
 from k3serve.workers.sampler import Sampler, SamplingState
 from k3serve.workers.sampling_params import SamplingParams
 
@@ -91,6 +97,20 @@ def test_top_k_keeps_exactly_k_highest():
     assert torch.equal(out[0, [5, 1, 3]], x[0, [5, 1, 3]])  # survivors keep their values
     assert kept(apply_top_k_top_p(x, torch.tensor([0]), torch.tensor([1.0]))) == set(range(6))
     assert kept(apply_top_k_top_p(x, torch.tensor([100]), torch.tensor([1.0]))) == set(range(6))
+
+
+def test_top_k_only_path_matches_sort_path():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 50, generator=g)
+    x[1, 10] = x[1, 11] = x[1].max() + 1.0  # a tie at the top
+    k = torch.tensor([5, 2, 0, 49])
+    only_k = apply_top_k_top_p(x, k, torch.ones(4))  # no row uses top-p: topk path
+    with_p = apply_top_k_top_p(
+        torch.cat([x, x[:1]]), torch.cat([k, k[:1]]), torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5])
+    )  # one extra row with top-p forces the sort path for every row
+    assert torch.equal(only_k, with_p[:4])
+    assert [len(kept(only_k[i : i + 1])) for i in range(4)] == [5, 2, 50, 49]
+    assert kept(only_k[1:2]) == {10, 11}
 
 
 def test_top_k_through_sampler():
@@ -209,6 +229,12 @@ def test_penalties_vectorised_over_rows_of_different_lengths():
     assert x[0].tolist() == [1, 1, 1, 1, 1, 0]
     assert x[1].tolist() == [1] * 6
     assert x[2].tolist() == [-0.5, 1, 1, 1, 0.5, 1]
+
+
+def test_token_counts_drops_out_of_range_ids():
+    c = token_counts([[1, 1, 3, -1, 7, 6], [], [0, 5, 5]], 6, torch.device("cpu"))
+    assert c.tolist() == [[0, 2, 0, 1, 0, 0], [0] * 6, [1, 0, 0, 0, 0, 2]]
+    assert token_counts([[], []], 4, torch.device("cpu")).tolist() == [[0] * 4, [0] * 4]
 
 
 def test_penalty_changes_greedy_choice():

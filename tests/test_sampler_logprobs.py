@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from k3serve.workers.sampler import Sampler, SamplingState, compute_logprobs, gather_logprobs, token_ranks
 from k3serve.workers.sampling_params import SamplingParams
 

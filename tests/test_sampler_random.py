@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 import torch
-from k3serve.workers.sample.draw import exponential_noise
+
+from k3serve.workers.sample.draw import exponential_noise, step_seed
 from k3serve.workers.sampler import Sampler, SamplingState, make_generator
 from k3serve.workers.sampling_params import SamplingParams
 
@@ -96,16 +97,24 @@ def test_unseeded_rows_follow_sampler_seed():
     assert go(5) != go(6)
 
 
-def test_each_row_draws_vocab_exponentials_from_its_own_generator():
+def test_seeded_row_takes_one_draw_per_step_from_its_own_generator():
+    cpu = torch.device("cpu")
     g1, g2 = make_generator(3), make_generator(4)
-    q = exponential_noise([g1, None, g2], 16, torch.float32, torch.device("cpu"), make_generator(0))
+    glob = make_generator(0)
+    q = exponential_noise([g1, None, g2], 16, torch.float32, cpu, glob, torch.Generator())
     assert q.shape == (3, 16) and bool((q > 0).all())
-    assert torch.equal(q[0], torch.empty(16).exponential_(generator=make_generator(3)))
-    assert torch.equal(q[2], torch.empty(16).exponential_(generator=make_generator(4)))
+    for gen_seed, row in ((3, 0), (4, 2)):
+        ref = make_generator(gen_seed)
+        s = step_seed(ref)
+        assert 0 <= s < 2**63
+        assert torch.equal(q[row], torch.empty(16).exponential_(generator=make_generator(s)))
     assert torch.equal(q[1], torch.empty(1, 16).exponential_(generator=make_generator(0))[0])
-    # the row's generator advanced by exactly one draw of 16
+    # each seeded generator advanced by exactly one step_seed draw, whatever the vocab size
     ref = make_generator(3)
-    torch.empty(16).exponential_(generator=ref)
+    step_seed(ref)
+    assert torch.equal(g1.get_state(), ref.get_state())
+    exponential_noise([g1], 1000, torch.float32, cpu, glob, torch.Generator())
+    step_seed(ref)
     assert torch.equal(g1.get_state(), ref.get_state())
 
 

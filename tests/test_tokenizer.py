@@ -6,6 +6,7 @@ import os
 
 import pytest
 import regex
+
 from k3serve.workers.tokenizer import (
     KIMI_PAT_STR,
     NUM_RESERVED_SPECIAL_TOKENS,

@@ -43,6 +43,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread is not running (it failed, or the engine was shut down)."""
 
 
+class DuplicateRequestError(ValueError):
+    """A request with this id is already in flight."""
+
+
 def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -203,7 +207,7 @@ class AsyncEngine:
         stream = RequestStream(self, request_id, loop)
         with self._lock:
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in flight")
+                raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
         ack = loop.create_future()
         self._cmds.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, self._clock(), ack, loop))

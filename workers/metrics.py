@@ -8,13 +8,15 @@ Events and what they update (all labelled with `model_name`):
 * `on_arrival(rid, prompt_len, t)`: starts the request's clock.
 * `on_step(outputs, t_start, t_end)`: `k3serve_engine_step_seconds`; per request output with new
   tokens: `vllm:generation_tokens`, on its first tokens `vllm:time_to_first_token_seconds`,
-  `vllm:request_queue_time_seconds`, `vllm:prompt_tokens`, `vllm:prefix_cache_*`, afterwards
+  `vllm:request_queue_time_seconds`, `vllm:prompt_tokens`, afterwards
   `vllm:inter_token_latency_seconds` (once per step, time since the previous tokens); on finish
   `vllm:e2e_request_latency_seconds` and `vllm:request_success{finished_reason}`.
 * `on_abort(rid, t)`: a request aborted before the engine finished it (counted as finished_reason
   "abort").
 * `on_stats(stats)`: the gauges from `LLMEngine.stats()` (running, waiting, kv_usage, free_pages,
-  kda_slots_used/total) and cumulative counters it may report (`num_preemptions`).
+  kda_slots_used/total) and the counters that follow its cumulative keys (preemptions, prefix-cache
+  queries/hits overall and per group kind, KDA snapshots stored/evicted, prefill tokens
+  computed/skipped); keys it lacks are left alone.
 """
 
 from __future__ import annotations
@@ -33,6 +35,35 @@ class _ReqTiming:
     num_tokens: int = 0
 
 
+# (catalog counter, extra labels) -> the cumulative key of LLMEngine.stats() it follows.
+_CUMULATIVE: dict[tuple[str, tuple], str] = {
+    ("vllm:num_preemptions", ()): "num_preemptions",
+    ("vllm:prefix_cache_queries", ()): "prefix_cache_queries",
+    ("vllm:prefix_cache_hits", ()): "prefix_cache_hits",
+    # every lookup queries both group kinds with the same tokens
+    ("k3serve_prefix_cache_group_queries_tokens", (("group", "mla"),)): "prefix_cache_queries",
+    ("k3serve_prefix_cache_group_queries_tokens", (("group", "kda"),)): "prefix_cache_queries",
+    ("k3serve_prefix_cache_group_hits_tokens", (("group", "mla"),)): "prefix_cache_mla_hits",
+    ("k3serve_prefix_cache_group_hits_tokens", (("group", "kda"),)): "prefix_cache_kda_hits",
+    ("k3serve_kda_snapshots_stored", ()): "kda_snapshots_stored",
+    ("k3serve_kda_snapshots_evicted", ()): "kda_snapshots_evicted",
+    ("k3serve_prefill_tokens_computed", ()): "prefill_tokens_computed",
+    ("k3serve_prefill_tokens_skipped", ()): "prefill_tokens_skipped",
+}
+
+
+def _queue_time(out, st: _ReqTiming, t_start: float) -> float:
+    """Seconds from arrival to first schedule: the engine's own timestamps when it reports them
+    (`metrics["first_scheduled_time"] - metrics["arrival_time"]`, or `metrics["queue_time"]`), else the
+    start of the step that produced the first tokens."""
+    m = out.metrics if isinstance(out.metrics, dict) else {}
+    if m.get("queue_time") is not None:
+        return float(m["queue_time"])
+    if m.get("first_scheduled_time") is not None and m.get("arrival_time") is not None:
+        return float(m["first_scheduled_time"]) - float(m["arrival_time"])
+    return t_start - st.arrival
+
+
 class EngineMetrics:
     """Catalog metrics of one engine, registered in `registry` (a prometheus CollectorRegistry)."""
 
@@ -41,7 +72,7 @@ class EngineMetrics:
         self.model_name = model_name
         self.m = build(registry, "worker")
         self._reqs: dict[str, _ReqTiming] = {}
-        self._cumulative: dict[str, float] = {}
+        self._cumulative: dict[tuple, float] = {}
 
     def _metric(self, name: str):
         return self.m[name].labels(model_name=self.model_name)
@@ -62,7 +93,9 @@ class EngineMetrics:
             if new > 0:
                 self._metric("vllm:generation_tokens").inc(new)
                 if st.first_token is None:
-                    self._first_tokens(out, st, t_start, t_end)
+                    self._first_tokens(out, st, t_start)
+                    st.first_token = t_end
+                    self._metric("vllm:time_to_first_token_seconds").observe(max(0.0, t_end - st.arrival))
                 else:
                     self._metric("vllm:inter_token_latency_seconds").observe(max(0.0, t_end - st.last_token))
                 st.last_token = t_end
@@ -71,18 +104,9 @@ class EngineMetrics:
                 reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
                 self._finish(out.request_id, reason, t_end)
 
-    def _first_tokens(self, out, st: _ReqTiming, t_start: float, t_end: float) -> None:
-        st.first_token = t_end
-        self._metric("vllm:time_to_first_token_seconds").observe(max(0.0, t_end - st.arrival))
-        # The engine may report its own queue time; otherwise the request waited at least until the
-        # step that produced its first tokens began.
-        queue = out.metrics.get("queue_time") if isinstance(out.metrics, dict) else None
-        if queue is None:
-            queue = t_start - st.arrival
-        self._metric("vllm:request_queue_time_seconds").observe(max(0.0, float(queue)))
+    def _first_tokens(self, out, st: _ReqTiming, t_start: float) -> None:
+        self._metric("vllm:request_queue_time_seconds").observe(max(0.0, _queue_time(out, st, t_start)))
         self._metric("vllm:prompt_tokens").inc(st.prompt_len)
-        self._metric("vllm:prefix_cache_queries").inc(st.prompt_len)
-        self._metric("vllm:prefix_cache_hits").inc(max(0, int(out.num_cached_tokens or 0)))
 
     def on_abort(self, rid: str, t: float) -> None:
         if rid in self._reqs:
@@ -107,15 +131,14 @@ class EngineMetrics:
         for metric, key in gauges.items():
             if stats.get(key) is not None:
                 self._metric(metric).set(float(stats[key]))
-        counters = {"vllm:num_preemptions": "num_preemptions"}
-        for metric, key in counters.items():
+        for (metric, labels), key in _CUMULATIVE.items():
             if stats.get(key) is None:
                 continue
             value = float(stats[key])
-            delta = value - self._cumulative.get(key, 0.0)
+            delta = value - self._cumulative.get((metric, labels, key), 0.0)
             if delta > 0:
-                self._metric(metric).inc(delta)
-            self._cumulative[key] = value
+                self.m[metric].labels(model_name=self.model_name, **dict(labels)).inc(delta)
+            self._cumulative[(metric, labels, key)] = value
 
     @property
     def in_flight(self) -> int:

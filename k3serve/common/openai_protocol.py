@@ -225,9 +225,9 @@ class ChatMessage(_Model):
     def _check(self) -> ChatMessage:
         if isinstance(self.content, list):
             for i, part in enumerate(self.content):
-                if part.type != "text":
+                if part.type not in ("text", "input_text"):
                     raise ValueError(f"content.{i}: content part type {part.type!r} is not supported "
-                                     "(only 'text')")
+                                     "by this server (only text)")
                 if part.text is None:
                     raise ValueError(f"content.{i}.text: field required")
         if self.role == "tool" and not self.tool_call_id:
@@ -510,7 +510,8 @@ def sampling_kwargs(req: _GenerationFields, *, max_tokens: int | None, chat: boo
     return kw
 
 
-def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
+def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int, *,
+                       prompt_param: str = "messages", max_tokens_param: str = "max_tokens") -> int:
     """The generation limit for a prompt: `requested`, or what fits in the context when None.
 
     Raises ProtocolError (400) when the prompt leaves no room for one token or prompt + requested
@@ -520,14 +521,14 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
         raise ProtocolError(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
             f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the length of "
-            "the prompt.", param="messages", code="context_length_exceeded")
+            "the prompt.", param=prompt_param, code="context_length_exceeded")
     if requested is None:
         return max_model_len - prompt_len
     if prompt_len + requested > max_model_len:
         raise ProtocolError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
-            "Please reduce the length of the prompt or of max_tokens.", param="max_tokens",
+            f"Please reduce the length of the prompt or of {max_tokens_param}.", param=max_tokens_param,
             code="context_length_exceeded")
     return requested
 

@@ -15,7 +15,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from k3serve.workers.chat.xtml import CLOSE, END_OF_MSG, MARKERS, OPEN, SEP, parse_close_header, parse_open_header
+from k3serve.workers.chat.xtml import (
+    CLOSE,
+    END_OF_MSG,
+    MARKERS,
+    OPEN,
+    SEP,
+    parse_close_header,
+    parse_open_header,
+)
 
 MAX_HEADER = 1024
 _MARKER_RE = re.compile("|".join(re.escape(m) for m in MARKERS))

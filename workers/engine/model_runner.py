@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
-from k3serve.workers.engine.k3_forward import ForwardBatch, K3ForwardModel
+from k3serve.workers.engine.forward_batch import ForwardBatch
 from k3serve.workers.engine.scheduler import SchedulerOutput
 
 
@@ -35,13 +35,13 @@ class InputBuffers:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
 
 
-class ModelRunner:
-    def __init__(self, config, weights, layout: CacheLayout, num_blocks: int, dtype: torch.dtype,
-                 device: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+class InputPreparer:
+    """SchedulerOutput -> ForwardBatch (views of the persistent buffers)."""
+
+    def __init__(self, layout: CacheLayout, device, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int):
         self.layout = layout
         self.device = torch.device(device)
-        self.kv = KVCacheTensors(layout, num_blocks, self.device)
-        self.model = K3ForwardModel(config, weights, layout, self.kv, dtype)
         self.max_blocks = math.ceil(max_model_len / layout.block_size)
         self.buf = InputBuffers(layout, max_num_batched_tokens, max_num_seqs, self.max_blocks, self.device)
 
@@ -105,8 +105,20 @@ class ModelRunner:
         return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
                             has_init, ckpt[0], ckpt[1], ckpt[2], logits_idx)
 
+
+
+class ModelRunner:
+    def __init__(self, config, weights, layout: CacheLayout, num_blocks: int, dtype: torch.dtype,
+                 device: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+        from k3serve.workers.engine.k3_forward import K3ForwardModel
+
+        self.layout = layout
+        self.kv = KVCacheTensors(layout, num_blocks, torch.device(device))
+        self.model = K3ForwardModel(config, weights, layout, self.kv, dtype)
+        self.inputs = InputPreparer(layout, device, max_num_batched_tokens, max_num_seqs, max_model_len)
+
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns logits for the chunks with `sample=True`, in chunk order."""
         self.kv.copy_blocks(sched.copies)
-        batch = self.prepare(sched)
+        batch = self.inputs.prepare(sched)
         return self.model.forward(batch)

@@ -70,7 +70,7 @@ def plan_load(cfg: K3Config, headers: dict[str, tuple[tuple[int, ...], str]], mo
             continue
         if mapped and mapped[0].src_rows is not None:
             total = sum(p.src_rows[1] - p.src_rows[0] for p in mapped)
-            padded = -(-total // 16) * 16 if mapped[0].target.endswith("q_proj.weight") else total
+            padded = -(-total // 16) * 16 if "in_proj_qkvgfab" in disk else total
             if not shape or shape[0] not in (total, padded):
                 mismatched.append(f"{disk}: {list(shape)} (fused rows must be {total}"
                                   + (f" or {padded}" if padded != total else "") + ")")

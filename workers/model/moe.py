@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import torch
+
 from k3serve.kernels.reference.mxfp4 import mxfp4_dequantize
 
 from .functional import LayerWeights, acc_dtype, act_and_mul, linear, rms_norm

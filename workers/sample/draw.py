@@ -1,13 +1,23 @@
 """Random draws for the exponential-race sampler: token = argmax(probs / q), q ~ Exp(1) i.i.d.
 
-This picks token t with probability probs[t] (the "Gumbel-max" trick in ratio form). Each random
-row consumes exactly V exponential draws per step from ITS OWN generator (seeded rows) or from the
-sampler's global generator (unseeded rows), so a seeded row's stream never depends on the batch.
+This picks token t with probability probs[t] (the "Gumbel-max" trick in ratio form).
+
+Reproducibility contract: a seeded row consumes exactly ONE draw per step from its own CPU
+generator (`step_seed`); that 63-bit value seeds a scratch generator on the logits' device which
+then draws the row's V exponentials. So a seeded row's noise depends only on its seed and its step
+count, never on the other rows of the batch, and costs one device launch per row (no V-sized host
+draw and copy). Unseeded rows draw together, in row order, from the sampler's global generator.
+The same seed gives the same noise on the same device type and torch version, not across devices.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def step_seed(generator: torch.Generator) -> int:
+    """One draw in [0, 2**63) from `generator` (a CPU generator): the seed of this step's noise."""
+    return int(torch.empty(1, dtype=torch.int64).random_(generator=generator).item())
 
 
 def exponential_noise(
@@ -16,26 +26,27 @@ def exponential_noise(
     dtype: torch.dtype,
     device: torch.device,
     global_generator: torch.Generator,
+    scratch_generator: torch.Generator,
 ) -> torch.Tensor:
-    """Tensor[M, vocab] of Exp(1) draws on `device`, row j drawn from generators[j] (CPU generators).
+    """Tensor[M, vocab] of Exp(1) draws on `device`; row j seeded from generators[j] when not None.
 
-    Rows whose generator is None are drawn together, in row order, from `global_generator` (which may
-    live on `device`). Values are clamped to >= the dtype's smallest normal so that 1/q is finite.
+    `global_generator` (rows without a generator) and `scratch_generator` (re-seeded per seeded row)
+    must live on `device`. Values are clamped to >= the dtype's smallest normal so 1/q is finite.
     """
     m = len(generators)
     q = torch.empty((m, vocab), dtype=dtype, device=device)
-    seeded = [j for j, g in enumerate(generators) if g is not None]
     unseeded = [j for j, g in enumerate(generators) if g is None]
-    if seeded:
-        host = torch.empty((len(seeded), vocab), dtype=dtype)
-        for r, j in enumerate(seeded):
-            host[r].exponential_(generator=generators[j])
-        q[torch.tensor(seeded, device=device)] = host.to(device)
-    if unseeded:
-        gen_dev = global_generator.device
-        draw = torch.empty((len(unseeded), vocab), dtype=dtype, device=gen_dev)
-        draw.exponential_(generator=global_generator)
-        q[torch.tensor(unseeded, device=device)] = draw.to(device)
+    if len(unseeded) == m:
+        q.exponential_(generator=global_generator)
+    else:
+        for j, gen in enumerate(generators):
+            if gen is not None:
+                scratch_generator.manual_seed(step_seed(gen))
+                q[j].exponential_(generator=scratch_generator)
+        if unseeded:
+            draw = torch.empty((len(unseeded), vocab), dtype=dtype, device=device)
+            draw.exponential_(generator=global_generator)
+            q[torch.tensor(unseeded, device=device)] = draw
     return q.clamp_min_(torch.finfo(dtype).tiny)
 
 

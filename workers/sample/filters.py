@@ -26,26 +26,42 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k then top-p with one descending sort per row.
+    """Top-k then top-p; one descending sort per row when any row uses top-p, else one topk.
 
     top_k: Tensor[M] int64, 0 = disabled; keeps every token whose logit is >= the k-th largest
       (ties at the boundary are kept, as in vLLM, so exactly k survive when values are distinct).
     top_p: Tensor[M] in (0, 1], 1 = disabled; on the top-k-renormalised distribution keeps the
       smallest highest-probability prefix whose cumulative probability is >= p (always >= 1 token).
+    Surviving tokens keep their exact logit values, so a row's result does not depend on the batch.
     """
-    m, vocab = logits.shape
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    vocab = logits.shape[1]
     k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
+    use_p = top_p < 1.0
+    if not bool(use_p.any()):
+        return apply_top_k(logits, k)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-
-    use_p = top_p < 1.0
-    if bool(use_p.any()):
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cum = torch.cumsum(probs, dim=-1)
-        mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # exclusive prefix
-        drop = (mass_before >= top_p.unsqueeze(1)) & use_p.unsqueeze(1)
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-
+    probs = torch.softmax(sorted_logits, dim=-1)
+    cum = torch.cumsum(probs, dim=-1)
+    mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # exclusive prefix sum
+    drop = (mass_before >= top_p.unsqueeze(1)) & use_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Top-k alone: k: Tensor[M] int64 in [1, V] (V = disabled); same tie rule as apply_top_k_top_p.
+
+    Uses one `topk` of the largest k among the rows that filter, instead of a full sort.
+    """
+    vocab = logits.shape[1]
+    active = k < vocab
+    if not bool(active.any()):
+        return logits
+    max_k = int(torch.where(active, k, torch.ones_like(k)).max())
+    top_vals = logits.topk(max_k, dim=-1).values
+    kth = top_vals.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth = torch.where(active.unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
+    return logits.masked_fill(logits < kth, float("-inf"))

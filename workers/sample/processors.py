@@ -7,6 +7,8 @@ the request layer). Rows with nothing to do cost nothing beyond a Python check.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .state import SamplingState
@@ -92,18 +94,18 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
 def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """Tensor[M, vocab] int64: how often each id occurs in each list (ids outside [0, vocab) dropped).
 
-    Lists are padded with the id `vocab` into one [M, L] tensor and counted with one scatter_add.
+    All lists are flattened into one host tensor (one conversion, one copy to `device`) and counted
+    with a single scatter_add into a [M, vocab + 1] buffer whose last column absorbs invalid ids.
     """
     m = len(token_lists)
-    longest = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((m, max(longest, 1)), vocab, dtype=torch.long)
-    for i, toks in enumerate(token_lists):
-        if toks:
-            padded[i, : len(toks)] = torch.as_tensor(toks, dtype=torch.long)
-    padded = padded.to(device)
-    padded = torch.where((padded < 0) | (padded > vocab), torch.full_like(padded, vocab), padded)
     counts = torch.zeros((m, vocab + 1), dtype=torch.long, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    lengths = [len(t) for t in token_lists]
+    if sum(lengths) == 0:
+        return counts[:, :vocab]
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long).to(device)
+    flat = torch.where((flat < 0) | (flat > vocab), torch.full_like(flat, vocab), flat)
+    rows = torch.repeat_interleave(torch.arange(m), torch.tensor(lengths)).to(device)
+    counts.view(-1).scatter_add_(0, rows * (vocab + 1) + flat, torch.ones_like(flat))
     return counts[:, :vocab]
 
 

@@ -18,34 +18,33 @@ from .draw import exponential_noise, race_sample
 from .filters import apply_min_p, apply_temperature, apply_top_k_top_p
 from .logprobs import compute_logprobs, gather_logprobs
 from .processors import apply_logit_bias, apply_min_tokens, apply_penalties
-from .state import SamplerOutput, SamplingState, make_generator
+from .state import SamplerOutput, SamplingState
 
 
 class Sampler:
     """Stateless apart from the global generator used by rows without a seed.
 
-    `seed`: seeds the global generator (None: a nondeterministic seed). On a CUDA device unseeded rows
-    draw from a device generator derived from the same seed; seeded rows always draw from their own
-    CPU generator (see `SamplingState.generator`).
+    `seed`: seeds the global generator (None: a nondeterministic seed); there is one per device the
+    logits live on. Seeded rows take one draw per step from their own CPU generator
+    (`SamplingState.generator`) to seed their noise; see `draw.py` for the reproducibility contract.
     """
 
     def __init__(self, seed: int | None = None) -> None:
         self._seed = int(seed) if seed is not None else int(torch.seed())
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._generators: dict[tuple[torch.device, str], torch.Generator] = {}
 
     def global_generator(self, device: torch.device) -> torch.Generator:
         """The generator for unseeded rows whose logits live on `device` (created on first use)."""
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        gen = self._generators.get(dev)
+        return self._device_generator(torch.device(device), "global")
+
+    def _device_generator(self, device: torch.device, role: str) -> torch.Generator:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        gen = self._generators.get((device, role))
         if gen is None:
-            if dev.type == "cpu":
-                gen = make_generator(self._seed)
-            else:
-                gen = torch.Generator(device=dev)
-                gen.manual_seed(self._seed & 0xFFFF_FFFF_FFFF_FFFF)
-            self._generators[dev] = gen
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._seed & 0xFFFF_FFFF_FFFF_FFFF)
+            self._generators[(device, role)] = gen
         return gen
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
@@ -100,6 +99,11 @@ class Sampler:
             )
         probs = torch.softmax(x, dim=-1)
         noise = exponential_noise(
-            [st.generator for st in states], x.shape[1], dt, dev, self.global_generator(dev)
+            [st.generator for st in states],
+            x.shape[1],
+            dt,
+            dev,
+            self.global_generator(dev),
+            self._device_generator(dev, "scratch"),
         )
         return race_sample(probs, noise)

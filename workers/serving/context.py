@@ -12,6 +12,8 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
+from starlette.responses import StreamingResponse
+
 from k3serve.common import openai_protocol as P
 from k3serve.workers.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from k3serve.workers.sampling_params import SamplingParams, SamplingParamsError
@@ -100,11 +102,13 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     async def pump(i: int, s: RequestStream) -> None:
         try:
             async for out in s:
-                await queue.put((i, out))
-        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((i, e))
+                queue.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # forwarded to the consumer
+            queue.put_nowait((i, e))
             return
-        await queue.put((i, end))
+        queue.put_nowait((i, end))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(streams)
@@ -156,3 +160,21 @@ async def run_until_disconnect(request, work: Awaitable):
     with contextlib.suppress(BaseException):
         await task
     raise ClientDisconnected()
+
+
+class SSEResponse(StreamingResponse):
+    """`text/event-stream` response that always closes its body iterator (so its `finally` aborts the
+    engine requests) even when Starlette cancels the send on a client disconnect."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, **kw):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -1,0 +1,25 @@
+"""ForwardBatch: the device tensors of one step, as the model consumes them (plain data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors for one step (views into the runner's persistent buffers)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    cu_seqlens: torch.Tensor  # [B+1] int64
+    seq_lens: torch.Tensor  # [B] context length after this step
+    block_tables: list[torch.Tensor]  # per MLA group [B, max_blocks] int32
+    slot_mapping: list[torch.Tensor]  # per MLA group [T] int64
+    state_indices: list[torch.Tensor]  # per KDA group [B] int64
+    has_initial_state: torch.Tensor  # [B] bool
+    checkpoint_seq: torch.Tensor | None  # [N] int64
+    checkpoint_offsets: torch.Tensor | None  # [N] int64
+    checkpoint_slots: list[torch.Tensor] | None  # per KDA group [N] int64
+    logits_indices: torch.Tensor  # [S] rows whose logits are needed

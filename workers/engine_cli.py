@@ -1,0 +1,115 @@
+"""Command-line engine options shared by `k3serve serve` and `k3serve worker`, and the engine bootstrap.
+
+    add_engine_args(parser)                       # --max-model-len, --kv-cache-memory, ...
+    served = start_engine(args)                   # LLMEngine + metrics + AsyncEngine (thread started)
+    served.async_engine / served.registry / served.model_names
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+from dataclasses import dataclass
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _memory(value: str) -> int | float:
+    """Bytes (int, with optional K/M/G suffix) or a fraction in (0, 1] of free GPU memory."""
+    v = value.strip()
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(v[-1:].lower())
+    try:
+        if mult:
+            return int(float(v[:-1]) * mult)
+        if "." in v:
+            return float(v)
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {value!r} (bytes, e.g. 512M, or a fraction)") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in `model` (default: the model directory's name)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=_memory, default=None,
+                   help="KV cache bytes (e.g. 256M) on CPU, or a fraction of free memory on CUDA")
+    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+
+
+def engine_args_from(args: argparse.Namespace, model: str):
+    from k3serve.workers.engine.api import EngineArgs
+
+    return EngineArgs(
+        model=model, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching, device=args.device, dtype=args.dtype, seed=args.seed,
+        served_model_name=(args.served_model_name or [None])[0],
+    )
+
+
+@dataclass
+class ServedEngine:
+    async_engine: object  # AsyncEngine
+    registry: object  # prometheus CollectorRegistry
+    model_names: list[str]
+
+
+def start_engine(args: argparse.Namespace, model: str) -> ServedEngine:
+    """Build the LLMEngine from the CLI options, wrap it in a started AsyncEngine with catalog metrics."""
+    import prometheus_client
+    import torch
+
+    from k3serve.workers.async_engine import AsyncEngine
+    from k3serve.workers.engine.llm_engine import LLMEngine
+    from k3serve.workers.metrics import EngineMetrics
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = LLMEngine.from_args(engine_args_from(args, model))
+    names = list(args.served_model_name or [engine.served_model_name])
+    registry = prometheus_client.CollectorRegistry()
+    metrics = EngineMetrics(registry, names[0])
+    aeng = AsyncEngine(engine, model_name=names[0], metrics=metrics)
+    aeng.start()
+    return ServedEngine(aeng, registry, names)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on (host, port); port 0 picks a free port (read it from getsockname)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_uvicorn(app, sock: socket.socket, *, log_level: str, on_ready=None) -> None:
+    """Serve `app` on the bound `sock` until SIGINT/SIGTERM; `on_ready()` runs once it accepts connections."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if on_ready is not None and not self.should_exit:
+                on_ready()
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=5)
+    _Server(config).run(sockets=[sock])

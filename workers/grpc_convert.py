@@ -1,0 +1,100 @@
+"""Conversions between worker.proto messages and plain Python data (no engine imports: the router uses it).
+
+* `sampling_to_proto(kwargs)` / `sampling_kwargs_from_proto(msg)`: SamplingParams keyword arguments
+  (as made by `openai_protocol.sampling_kwargs`) ⇄ `SamplingParams` message; unset fields stay unset.
+* `deltas_to_proto(deltas)` / `deltas_from_proto(msgs)`: `SeqDelta` ⇄ `SequenceDelta`.
+* `load_to_dict(msg)`: `LoadResponse` → dict with `LLMEngine.stats()`'s keys.
+"""
+
+from __future__ import annotations
+
+from k3serve.workers.outputs import Logprob
+from k3serve.workers.proto import worker_pb2 as pb
+from k3serve.workers.serving.deltas import SeqDelta
+
+_SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "max_tokens", "min_tokens", "ignore_eos", "logprobs", "skip_special_tokens",
+            "spaces_between_special_tokens", "include_stop_str_in_output")
+
+
+def sampling_to_proto(kwargs: dict) -> pb.SamplingParams:
+    msg = pb.SamplingParams()
+    for name in _SCALARS:
+        value = kwargs.get(name)
+        if value is not None:
+            setattr(msg, name, value)
+    msg.stop.extend(kwargs.get("stop") or [])
+    msg.stop_token_ids.extend(kwargs.get("stop_token_ids") or [])
+    for tid, bias in (kwargs.get("logit_bias") or {}).items():
+        msg.logit_bias[int(tid)] = float(bias)
+    return msg
+
+
+def sampling_kwargs_from_proto(msg: pb.SamplingParams) -> dict:
+    """Keyword arguments for SamplingParams: only fields the sender set (SamplingParams' defaults fill
+    the rest), except `max_tokens`, which is None (until the context is full) when unset."""
+    kw: dict = {}
+    for name in _SCALARS:
+        if msg.HasField(name):
+            kw[name] = getattr(msg, name)
+    kw.setdefault("max_tokens", None)
+    if msg.stop:
+        kw["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kw["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        kw["logit_bias"] = {int(k): float(v) for k, v in msg.logit_bias.items()}
+    return kw
+
+
+def _logprobs_to_proto(token_ids: list[int], logprobs: list[dict]) -> list[pb.TokenLogprobs]:
+    out = []
+    for tid, entries in zip(token_ids, logprobs):
+        tl = pb.TokenLogprobs(token_id=tid)
+        ordered = sorted(entries.items(), key=lambda kv: (kv[0] != tid, kv[1].rank if kv[1].rank is not None else 0))
+        for t, lp in ordered:
+            e = tl.entries.add(token_id=t, logprob=float(lp.logprob))
+            if lp.rank is not None:
+                e.rank = int(lp.rank)
+            if lp.decoded_token is not None:
+                e.decoded_token = lp.decoded_token
+        out.append(tl)
+    return out
+
+
+def deltas_to_proto(deltas: list[SeqDelta]) -> list[pb.SequenceDelta]:
+    out = []
+    for d in deltas:
+        m = pb.SequenceDelta(index=d.index, token_ids=d.token_ids, text=d.text)
+        if d.logprobs is not None:
+            m.logprobs.extend(_logprobs_to_proto(d.token_ids, d.logprobs))
+        if d.finish_reason is not None:
+            m.finish_reason = d.finish_reason
+        if isinstance(d.stop_reason, int) and not isinstance(d.stop_reason, bool):
+            m.stop_token_id = d.stop_reason
+        elif isinstance(d.stop_reason, str):
+            m.stop_string = d.stop_reason
+        out.append(m)
+    return out
+
+
+def deltas_from_proto(msgs, *, with_logprobs: bool) -> list[SeqDelta]:
+    """`with_logprobs`: whether the request asked for logprobs (an empty list then still means "none so far")."""
+    out = []
+    for m in msgs:
+        lps = None
+        if with_logprobs:
+            lps = [{e.token_id: Logprob(e.logprob, e.rank if e.HasField("rank") else None,
+                                        e.decoded_token if e.HasField("decoded_token") else None)
+                    for e in tl.entries} for tl in m.logprobs]
+        which = m.WhichOneof("stop_reason")
+        stop = getattr(m, which) if which else None
+        out.append(SeqDelta(index=m.index, token_ids=list(m.token_ids), text=m.text, logprobs=lps,
+                            finish_reason=m.finish_reason if m.HasField("finish_reason") else None,
+                            stop_reason=stop))
+    return out
+
+
+def load_to_dict(msg: pb.LoadResponse) -> dict:
+    return {k: getattr(msg, k) for k in ("running", "waiting", "free_pages", "total_pages", "kv_usage",
+                                         "kda_slots_used", "kda_slots_total", "max_model_len", "model", "role")}

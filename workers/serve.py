@@ -1,0 +1,45 @@
+"""`k3serve serve MODEL_DIR`: one-process OpenAI-compatible server (engine + HTTP in one process).
+
+Prints `k3serve serve: listening on http://HOST:PORT` (with the real port when `--port 0`) once it
+accepts connections. `--api-key-file PATH` turns on Bearer auth for /v1/* (the key is never logged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from k3serve.workers.engine_cli import add_engine_args, bind_socket, run_uvicorn, setup_logging, start_engine
+
+log = logging.getLogger("k3serve.serve")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory (config.json, safetensors, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--api-key-file", default=None, help="file holding the API key for Bearer auth")
+    add_engine_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from k3serve.common.http_errors import read_api_key_file
+    from k3serve.workers.serving.app import build_app
+
+    setup_logging(args.log_level)
+    api_key = read_api_key_file(args.api_key_file) if args.api_key_file else None
+    sock = bind_socket(args.host, args.port)
+    served = start_engine(args, args.model)
+    app = build_app(served.async_engine, served_model_names=served.model_names, registry=served.registry,
+                    api_key=api_key)
+    host, port = sock.getsockname()[:2]
+
+    def ready() -> None:
+        print(f"k3serve serve: listening on http://{host}:{port} (model {served.model_names[0]}, "
+              f"max_model_len {served.async_engine.max_model_len})", flush=True)
+
+    try:
+        run_uvicorn(app, sock, log_level=args.log_level, on_ready=ready)
+    finally:
+        served.async_engine.shutdown()
+    return 0
