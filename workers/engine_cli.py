@@ -8,8 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -105,6 +108,20 @@ def run_uvicorn(app, sock: socket.socket, *, log_level: str, on_ready=None) -> N
     import uvicorn
 
     class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # Like uvicorn's, but without re-raising the signal after the graceful shutdown, so the
+            # caller's cleanup runs and the process exits 0.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if on_ready is not None and not self.should_exit:

@@ -1,0 +1,104 @@
+"""`k3serve worker --model DIR --role both --grpc-port P --metrics-port M`: the engine behind gRPC.
+
+One process, one asyncio loop: the gRPC Worker service (worker.proto) on `--grpc-port` and a small
+HTTP server on `--metrics-port` with `/metrics` (Prometheus), `/health` (liveness: the process and
+its engine thread are alive) and `/ready` (readiness: healthy and able to accept requests). Port 0
+picks a free port. Prints `k3serve worker: ready grpc=HOST:P metrics=http://HOST:M` once both listen.
+Only `--role both` is implemented so far (prefill/decode come with the KV connectors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from k3serve.workers.engine_cli import add_engine_args, bind_socket, setup_logging, start_engine
+
+log = logging.getLogger("k3serve.worker")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    parser.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--metrics-port", type=int, default=9100, help="0 picks a free port")
+    add_engine_args(parser)
+
+
+def build_metrics_app(engine, registry):
+    from fastapi import FastAPI
+
+    from k3serve.common.http_errors import install_error_handlers
+    from k3serve.workers.serving.app import health_response, metrics_response
+
+    app = FastAPI(title="k3serve worker", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+
+    @app.get("/metrics")
+    async def metrics():
+        return metrics_response(registry)
+
+    @app.get("/health")
+    async def health():
+        return health_response(engine)
+
+    @app.get("/ready")
+    async def ready():
+        return health_response(engine)
+
+    return app
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k3serve.workers.grpc_service import start_grpc_server
+
+    msock = bind_socket(args.host, args.metrics_port)
+    served = await asyncio.to_thread(start_engine, args, args.model)
+    engine = served.async_engine
+    grpc_server = await start_grpc_server(engine, host=args.host, port=args.grpc_port, role=args.role,
+                                          model_name=served.model_names[0])
+
+    class _Server(uvicorn.Server):
+        def capture_signals(self):  # the worker handles signals itself
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    http = _Server(uvicorn.Config(build_metrics_app(engine, served.registry), log_level=args.log_level,
+                                  access_log=False, lifespan="off"))
+    http_task = asyncio.ensure_future(http.serve(sockets=[msock]))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    if http_task.done():
+        await grpc_server.stop(None)
+        engine.shutdown()
+        http_task.result()
+        return 1
+    mhost, mport = msock.getsockname()[:2]
+    print(f"k3serve worker: ready grpc={args.host}:{grpc_server.port} metrics=http://{mhost}:{mport} "
+          f"role={args.role} model={served.model_names[0]}", flush=True)
+    try:
+        await asyncio.wait({asyncio.ensure_future(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        http.should_exit = True
+        await grpc_server.stop(2.0)
+        await asyncio.wait({http_task}, timeout=5)
+        engine.shutdown()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if args.role != "both":
+        print(f"k3serve worker: --role {args.role} is not implemented yet (only 'both')", flush=True)
+        return 2
+    return asyncio.run(_serve(args))
