@@ -182,6 +182,43 @@ def kda_chunked(
     )
 
 
+def kda_decode(
+    qkv,
+    conv_weight,
+    conv_states,
+    raw_g,
+    A_log,
+    dt_bias,
+    beta_logit,
+    gate,
+    o_norm_weight,
+    state_pool,
+    state_indices,
+    has_initial_state,
+    *,
+    lower_bound=None,
+    scale=None,
+    eps=1e-5,
+):
+    return _impl("kda_decode", qkv)(
+        qkv,
+        conv_weight,
+        conv_states,
+        raw_g,
+        A_log,
+        dt_bias,
+        beta_logit,
+        gate,
+        o_norm_weight,
+        state_pool,
+        state_indices,
+        has_initial_state,
+        lower_bound=lower_bound,
+        scale=scale,
+        eps=eps,
+    )
+
+
 def attn_res(partial, delta, blocks, w_norm, w_q, w_out, n, write_idx, eps, eps_out=None, round_dtype=None):
     return _impl("attn_res", partial)(
         partial, delta, blocks, w_norm, w_q, w_out, n, write_idx, eps, eps_out, round_dtype

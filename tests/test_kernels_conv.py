@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from k3serve.kernels import ops
 from k3serve.kernels.reference import causal_conv1d_varlen
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from k3serve.kernels import ops
 from k3serve.kernels.reference import kda_chunked, kda_gate, kda_recurrent
 

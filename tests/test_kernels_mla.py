@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from k3serve.kernels import ops
 
 torch.set_num_threads(1)

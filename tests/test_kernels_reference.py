@@ -2,9 +2,10 @@
 
 import math
 
-import k3serve.kernels as kernels
 import pytest
 import torch
+
+import k3serve.kernels as kernels
 from k3serve.kernels import ops, reference
 
 torch.set_num_threads(1)

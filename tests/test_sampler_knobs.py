@@ -14,6 +14,7 @@ from k3serve.workers.sample.processors import (
     apply_penalties,
     token_counts,
 )
+from k3serve.workers.sample.state import TokenIdCache
 from k3serve.workers.sampler import Sampler, SamplingState
 from k3serve.workers.sampling_params import SamplingParams
 
@@ -279,3 +280,36 @@ def test_min_tokens_mask_values():
     )
     assert x[0].tolist() == [float("-inf"), 0, 0, 0, float("-inf")]
     assert x[1].tolist() == [0.0] * 5
+
+
+# ---------------------------------------------------------------- token id caches
+
+
+def test_token_id_cache_tracks_appends_and_edits():
+    cache = TokenIdCache()
+    ids = [3, 1]
+    assert cache.view(ids).tolist() == [3, 1]
+    for t in range(40):  # growth past the initial capacity
+        ids.append(t)
+        assert cache.view(ids).tolist() == ids
+    ids[-1] = 99  # edit of the last cached id
+    assert cache.view(ids).tolist() == ids
+    del ids[5:]  # shrink
+    assert cache.view(ids).tolist() == ids
+    other = [7, 7, 7, 7, 7, 7]  # a different list object of a longer length
+    assert cache.view(other).tolist() == other
+    assert cache.view([]).tolist() == []
+
+
+def test_penalties_follow_a_growing_output():
+    st = state(prompt=[0], frequency_penalty=1.0, repetition_penalty=2.0)
+    for toks in ([1], [1, 2], [1, 2, 2, 3]):
+        st.output_token_ids.extend(toks[len(st.output_token_ids) :])
+        x = torch.ones(1, 5)
+        apply_penalties(x, [st])
+        fresh = torch.ones(1, 5)
+        apply_penalties(
+            fresh, [state(prompt=[0], output=toks, frequency_penalty=1.0, repetition_penalty=2.0)]
+        )
+        assert torch.equal(x, fresh)
+    assert x[0].tolist() == [0.5, -0.5, -1.5, -0.5, 1.0]

@@ -15,12 +15,13 @@ Contract:
 * `generate()` = `add_request()` + iterate; leaving the iteration early (break, cancellation,
   client disconnect) aborts the request in the engine.
 * Request ids must be unique among in-flight requests (`new_request_id()` makes uuid-based ones);
-  a duplicate raises ValueError.
+  a duplicate raises DuplicateRequestError (a ValueError).
 * If the engine thread dies (an exception from `step()`), every in-flight stream raises
   `EngineDeadError` (with the cause in its message), later calls raise it at once, and
   `is_healthy()` turns False. Nothing waits forever.
 * The engine object is only ever touched from the engine thread (after `start()`); `stats()`
-  returns the snapshot taken after the latest step.
+  returns the latest `LLMEngine.stats()` snapshot, refreshed at most every `stats_interval_s` while
+  busy and right after the engine goes idle (metrics gauges follow the same refreshes).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class AsyncEngine:
     """Runs `engine` (LLMEngine contract) on a background thread; see the module docstring."""
 
     def __init__(self, engine, *, model_name: str, metrics=None, idle_wait_s: float = 0.25,
-                 clock=time.monotonic):
+                 stats_interval_s: float = 0.05, clock=time.monotonic):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
@@ -150,6 +151,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._error: BaseException | None = None
         self._stats: dict = {}
+        self._stats_interval_s = stats_interval_s
+        self._stats_at = float("-inf")
         self.started_at: float | None = None
 
     # --- static facts of the wrapped engine -----------------------------------------------------
@@ -160,6 +163,13 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts: the model config's vocab size, else the tokenizer's."""
+        cfg = getattr(self.engine, "model_config", None)
+        size = getattr(cfg, "vocab_size", None)
+        return int(size if size is not None else self.engine.tokenizer.vocab_size)
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -249,7 +259,12 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self._refresh_stats()
+                # Gauges need no per-step precision: refresh at most every stats_interval_s while busy,
+                # and always once idle (so they settle at the final state).
+                now = self._clock()
+                if now - self._stats_at >= self._stats_interval_s or not self.engine.has_unfinished_requests():
+                    self._refresh_stats()
+                    self._stats_at = now
         except BaseException as e:  # noqa: BLE001 - the thread must report every failure
             log.exception("engine thread failed")
             self._error = e

@@ -32,6 +32,18 @@ def _memory(value: str) -> int | float:
         raise argparse.ArgumentTypeError(f"not a size: {value!r} (bytes, e.g. 512M, or a fraction)") from None
 
 
+def _retention(value: str) -> int | str:
+    if value == "dense":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a retention interval: {value!r} (0, N or 'dense')") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("retention interval must be >= 0")
+    return n
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--served-model-name", nargs="+", default=None,
@@ -43,6 +55,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=_memory, default=None,
                    help="KV cache bytes (e.g. 256M) on CPU, or a fraction of free memory on CUDA")
     g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--prefix-match-unit", type=int, default=None, help="tokens per prefix-hash unit")
+    g.add_argument("--prefix-cache-retention-interval", type=_retention, default=0,
+                   help="KDA snapshot retention: 0 (boundaries only), N tokens, or 'dense'")
+    g.add_argument("--prefix-cache-selective-retention", action="store_true",
+                   help="keep KDA snapshots only on a second hit (Marconi-style)")
+    g.add_argument("--prefix-cache-eviction", default="lru", choices=["lru", "compute-per-byte"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
@@ -56,7 +74,10 @@ def engine_args_from(args: argparse.Namespace, model: str):
     return EngineArgs(
         model=model, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=args.enable_prefix_caching, device=args.device, dtype=args.dtype, seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching, prefix_match_unit=args.prefix_match_unit,
+        prefix_cache_retention_interval=args.prefix_cache_retention_interval,
+        prefix_cache_selective_retention=args.prefix_cache_selective_retention,
+        prefix_cache_eviction=args.prefix_cache_eviction, device=args.device, dtype=args.dtype, seed=args.seed,
         served_model_name=(args.served_model_name or [None])[0],
     )
 

@@ -20,6 +20,7 @@ from k3serve.workers.proto import worker_pb2 as pb
 from k3serve.workers.proto import worker_pb2_grpc as pb_grpc
 from k3serve.workers.sampling_params import SamplingParams, SamplingParamsError
 from k3serve.workers.serving.deltas import DeltaTracker
+from k3serve.workers.serving.validate import check_params_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: must be non-empty")
         try:
             params = SamplingParams(**sampling_kwargs_from_proto(request.sampling_params))
+            check_params_token_ids(params, self.engine.vocab_size)
         except (SamplingParamsError, TypeError, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {e}")
         salt = request.cache_salt if request.HasField("cache_salt") else None

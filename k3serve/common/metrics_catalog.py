@@ -94,6 +94,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("k3serve_operator_reconciles", "counter", "Reconcile handler runs.", ("handler", "result"), _O),
     MetricSpec("k3serve_operator_reconcile_errors", "counter", "Reconcile handler errors.", ("handler",), _O),
     MetricSpec("k3serve_operator_deployments", "gauge", "KimiK3Deployments by condition.", ("condition",), _O),
+    MetricSpec("k3serve_operator_reconcile_seconds", "histogram", "Wall time of one reconcile handler run.",
+               ("handler",), _O, LATENCY_BUCKETS),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}

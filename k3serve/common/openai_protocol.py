@@ -275,9 +275,6 @@ class ResponseFormat(_Model):
         return self
 
 
-_PosInt = Field(default=None, ge=1)
-
-
 class _GenerationFields(_Model):
     """Fields shared by chat and completions (OpenAI names plus vLLM's extensions)."""
 
@@ -296,12 +293,21 @@ class _GenerationFields(_Model):
     logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    max_tokens: int | None = _PosInt
+    max_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        # Many clients send explicit nulls for fields they do not set; treat them as absent. (An explicit
+        # null max_tokens keeps its meaning: no limit but the context.)
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in ("max_tokens", "max_completion_tokens")}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -343,13 +349,18 @@ class _GenerationFields(_Model):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `stream_options.continuous_usage_stats`: usage so far on every content chunk."""
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+
 
 _CHAT_TEMPLATE_KWARGS = {"thinking", "enable_thinking", "reasoning_effort"}
 
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = _PosInt
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None

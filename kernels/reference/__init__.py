@@ -8,6 +8,7 @@ from .activations import silu_and_mul, situ_and_mul
 from .attn_res import attn_res
 from .conv import causal_conv1d_varlen
 from .kda_chunked import kda_chunked
+from .kda_decode import kda_decode
 from .kda_gate import kda_gate
 from .kda_recurrent import kda_recurrent
 from .mla import mla_attention_expanded, mla_paged_attention, mla_write_cache
@@ -24,6 +25,7 @@ OPS = (
     "kda_gate",
     "kda_recurrent",
     "kda_chunked",
+    "kda_decode",
     "attn_res",
     "mla_write_cache",
     "mla_paged_attention",
@@ -38,6 +40,7 @@ __all__ = [
     "attn_res",
     "causal_conv1d_varlen",
     "kda_chunked",
+    "kda_decode",
     "kda_gate",
     "kda_recurrent",
     "l2_normalize",

@@ -21,11 +21,13 @@ def mla_write_cache(
     L, R = c_kv.shape[-1], k_pe.shape[-1]
     if kv_cache.shape[-1] != L + R:
         raise ValueError(f"kv_cache last dim {kv_cache.shape[-1]} != {L} + {R}")
-    flat = kv_cache.view(-1, L + R)
+    bs = kv_cache.shape[1]
     slots = slot_mapping.to(device=kv_cache.device, dtype=torch.long)
     keep = slots >= 0
     entry = torch.cat([c_kv, k_pe.to(c_kv.dtype)], dim=-1)[keep.to(c_kv.device)]
-    flat[slots[keep]] = entry.to(device=kv_cache.device, dtype=kv_cache.dtype)
+    s = slots[keep]
+    # index (block, offset): the cache may be a strided view (pages padded past the block's tokens)
+    kv_cache[s // bs, s % bs] = entry.to(device=kv_cache.device, dtype=kv_cache.dtype)
 
 
 def _causal_mask(num_q: int, num_k: int, device: torch.device) -> torch.Tensor:

@@ -36,3 +36,4 @@ class EngineArgs:
     dtype: str = "auto"  # auto (bf16 on CUDA, float32 on CPU) | float32 | float64 | bfloat16
     seed: int = 0
     served_model_name: str | None = None
+    skip_tokenizer_init: bool = False  # serve token ids only (no detokenization, no stop strings)

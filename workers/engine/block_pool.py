@@ -29,6 +29,7 @@ class Block:
     ref_cnt: int = 0
     keys: list[BlockKey] = field(default_factory=list)
     key_tokens: dict[BlockKey, int] = field(default_factory=dict)  # key -> prefix length it stands for
+    key_parent: dict[BlockKey, bytes | None] = field(default_factory=dict)  # key -> parent unit/block hash
     last_used: int = 0
     cached_step: int = -1  # engine step at which the newest key was registered
     kind: str = ""  # "mla" | "kda" while it holds cached content
@@ -58,6 +59,7 @@ class BlockPool:
         self.event_sink = event_sink
         self.clock = 0
         self.num_evicted_kda = 0
+        self.num_evicted = 0  # cached blocks whose keys were dropped to reuse the page
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -131,7 +133,8 @@ class BlockPool:
                     self.free.move_to_end(b.block_id, last=False)
 
     # -- the prefix-cache map ------------------------------------------------------------------
-    def register(self, block: Block, key: BlockKey, num_tokens: int, kind: str, step: int) -> bool:
+    def register(self, block: Block, key: BlockKey, num_tokens: int, kind: str, step: int,
+                 parent: bytes | None = None) -> bool:
         """Key `block` by `key` (prefix length `num_tokens`). False if the key exists elsewhere."""
         existing = self.cached.get(key)
         if existing is not None:
@@ -139,6 +142,7 @@ class BlockPool:
         self.cached[key] = block
         block.keys.append(key)
         block.key_tokens[key] = num_tokens
+        block.key_parent[key] = parent
         block.kind = kind
         block.cached_step = step
         if self.event_sink:
@@ -153,6 +157,7 @@ class BlockPool:
     def _drop_keys(self, b: Block) -> None:
         if not b.keys:
             return
+        self.num_evicted += 1
         if b.kind == "kda":
             self.num_evicted_kda += 1
         for key in b.keys:
@@ -162,6 +167,7 @@ class BlockPool:
                     self.event_sink("removed", key, b, b.key_tokens.get(key, 0))
         b.keys.clear()
         b.key_tokens.clear()
+        b.key_parent.clear()
         b.kind = ""
 
     def reset_prefix_cache(self) -> int:

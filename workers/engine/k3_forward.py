@@ -34,8 +34,18 @@ class K3ForwardModel:
         self._prepare()
 
     def _prepare(self) -> None:
-        """Precompute fused views (conv weights, absorbed MLA matrices) once."""
+        """Precompute fused views (conv weights, absorbed MLA matrices) once.
+
+        On the CPU the MXFP4 experts are dequantized once here (exact), since the reference MoE op
+        would otherwise decode every active expert at every step; on CUDA they stay packed for the
+        MXFP4 kernel.
+        """
         cfg, w = self.cfg, self.w
+        self.experts_packed = bool(cfg.experts_mxfp4) and self.w["model.embed_tokens.weight"].is_cuda
+        if cfg.experts_mxfp4 and not self.experts_packed:
+            from k3serve.workers.model.reference import dequantize_experts
+
+            self.w = w = dequantize_experts(w, self.dtype)
         self.conv_w: dict[int, torch.Tensor] = {}
         self.w_uk: dict[int, torch.Tensor] = {}
         self.w_uv: dict[int, torch.Tensor] = {}
@@ -132,9 +142,10 @@ class K3ForwardModel:
         weights, ids = ops.moe_route(
             logits, w["gate.e_score_correction_bias"].to(self.acc), cfg.num_experts_per_token,
             num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
-            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor)
+            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
+            scoring=cfg.router_activation)
         z = linear(x, w["routed_expert_down_proj.weight"]) if cfg.routed_expert_hidden_size else x
-        if cfg.experts_mxfp4:
+        if self.experts_packed:
             ex = dict(w13_packed=w["experts.w13_packed"], w13_scale=w["experts.w13_scale"],
                       w2_packed=w["experts.w2_packed"], w2_scale=w["experts.w2_scale"])
         else:

@@ -257,13 +257,15 @@ class HybridKVCacheManager:
             snap = self.pool.allocate(len(self.kda_groups))
             self._step_refs.extend(snap)
             h = self._hash_at(req, p)
+            kda_parent = self._hash_at(req, p - self.unit)
             for b, g in zip(snap, self.kda_groups):
-                self.pool.register(b, (h, g.group_id), p, "kda", self.step)
+                self.pool.register(b, (h, g.group_id), p, "kda", self.step, kda_parent)
             self.stats["snapshots_stored"] += 1
             if p % self.B and self.mla_groups:
                 # the MLA pages must reach p too: key the tail page at the mid-block boundary
+                mla_parent = self._hash_at(req, (p - 1) // self.B * self.B)
                 for blks, g in zip(st.mla, self.mla_groups):
-                    self.pool.register(blks[(p - 1) // self.B], (h, g.group_id), p, "mla", self.step)
+                    self.pool.register(blks[(p - 1) // self.B], (h, g.group_id), p, "mla", self.step, mla_parent)
             checkpoints.append((p - start, [b.block_id for b in snap]))
         if self.enable_caching and self.mla_groups:
             while (st.registered_full + 1) * self.B <= end:
@@ -271,8 +273,9 @@ class HybridKVCacheManager:
                 h = self._hash_at(req, (i + 1) * self.B)
                 if h is None:
                     break
+                parent = self._hash_at(req, i * self.B)
                 for blks, g in zip(st.mla, self.mla_groups):
-                    self.pool.register(blks[i], (h, g.group_id), (i + 1) * self.B, "mla", self.step)
+                    self.pool.register(blks[i], (h, g.group_id), (i + 1) * self.B, "mla", self.step, parent)
                 st.registered_full += 1
         return SlotPlan(
             mla_block_ids=[[b.block_id for b in blks] for blks in st.mla],

@@ -61,6 +61,19 @@ class _Parent:
     arrival: float = field(default_factory=time.monotonic)
 
 
+class _NullDetokenizer:
+    """Stands in for the detokenizer when the engine serves token ids only."""
+
+    text = ""
+    stopped_by = None
+
+    def push(self, ids) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 def resolve_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -84,7 +97,14 @@ class LLMEngine:
         self.device = args.device
         self.dtype = resolve_dtype(args.dtype, args.device)
         self.model_config, weights = load_model_weights(args.model, dtype=self.dtype, device=args.device)
-        self.tokenizer = K3Tokenizer.from_dir(args.model)
+        if args.skip_tokenizer_init:
+            self.tokenizer = None
+        else:
+            try:
+                self.tokenizer = K3Tokenizer.from_dir(args.model)
+            except FileNotFoundError as e:
+                raise ValueError(f"model: no tokenizer in {args.model} ({e}); pass skip_tokenizer_init=True "
+                                 "to serve token ids only") from None
         cfg = self.model_config
         self.max_model_len = int(args.max_model_len or min(cfg.max_position_embeddings, 8192))
         if self.max_model_len < 2:
@@ -145,11 +165,25 @@ class LLMEngine:
 
     # -- cache events --------------------------------------------------------------------------
     def _on_cache_event(self, kind: str, key: BlockKey, block: Block, num_tokens: int) -> None:
-        h, gid = key
-        group = self.layout.groups[gid]
-        ev = KVEvent(kind, h, None, gid, group.kind, num_tokens, self.layout.block_size)
-        for fn in self.event_listeners:
+        if not self.event_listeners:
+            return
+        ev = self._event(kind, key, block, num_tokens)
+        for fn in list(self.event_listeners):
             fn(ev)
+
+    def _event(self, kind: str, key: BlockKey, block: Block, num_tokens: int) -> KVEvent:
+        h, gid = key
+        return KVEvent(kind, h, block.key_parent.get(key), gid, self.layout.groups[gid].kind, num_tokens,
+                       self.layout.block_size)
+
+    def subscribe_kv_events(self, fn: Callable[[KVEvent], None]) -> Callable[[], None]:
+        """Call `fn` for every prefix-cache change from now on; returns an unsubscribe function."""
+        self.event_listeners.append(fn)
+        return lambda: self.event_listeners.remove(fn) if fn in self.event_listeners else None
+
+    def kv_cache_snapshot(self) -> list[KVEvent]:
+        """The cache's current contents as "stored" events (what a new subscriber starts from)."""
+        return [self._event("stored", key, b, b.key_tokens[key]) for key, b in self.pool.cached.items()]
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -170,7 +204,7 @@ class LLMEngine:
         n = params.n
         seq_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         self.parents[request_id] = _Parent(request_id, prompt, ids, seq_ids)
-        eos = self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id if self.tokenizer else next(iter(self.model_config.eos_token_ids), None)
         for i, sid in enumerate(seq_ids):
             p = params if n == 1 else params.clone()
             if n > 1:
@@ -179,10 +213,16 @@ class LLMEngine:
                     p.seed = params.seed + i
             req = Request(sid, request_id, i, ids, p, eos, cache_salt=cache_salt)
             self.seqs[sid] = _Seq(req, SamplingState.new(p, ids, eos),
-                                  IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop,
-                                                         p.include_stop_str_in_output),
+                                  self._detokenizer(p),
                                   [] if p.logprobs is not None else None)
             self.scheduler.add(req)
+
+    def _detokenizer(self, p: SamplingParams):
+        if self.tokenizer is None:
+            if p.stop:
+                raise ValueError("stop: stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+            return _NullDetokenizer()
+        return IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):
@@ -246,7 +286,7 @@ class LLMEngine:
             entry = {}
             for tid, val, rank in lp:
                 if tid not in entry:
-                    entry[tid] = Logprob(val, rank, self.tokenizer.decode([tid]))
+                    entry[tid] = Logprob(val, rank, self.tokenizer.decode([tid]) if self.tokenizer else None)
             s.logprobs.append(entry)
             s.cumulative_logprob += lp[0][1]
         p = req.params

@@ -446,7 +446,8 @@ def _parse_text(t: dict, model_type: str, qc: Any, p: str, wrapper_extra: dict) 
         if kind != "default":
             raise ConfigError(p + "rope_scaling", "only null or {'rope_type': 'default'} is supported", rs)
     c["rope_scaling"] = rs
-    if c["mla_layer_ids"]:
+    n_mtp = _int(t, ["num_nextn_predict_layers"], 0, minimum=0, prefix=p)
+    if c["mla_layer_ids"] or n_mtp:  # MTP layers are MLA layers too
         nh = c["num_attention_heads"] = _int(t, ["num_attention_heads"], minimum=1, prefix=p)
         nkv = _int(t, ["num_key_value_heads"], None, optional=True, prefix=p)
         if nkv is not None and nkv != nh:
@@ -549,9 +550,7 @@ def _parse_text(t: dict, model_type: str, qc: Any, p: str, wrapper_extra: dict) 
             if v % 32:
                 raise ConfigError(p + name, "must be a multiple of 32 for MXFP4 experts (one scale per 32 inputs)", v)
 
-    c["num_nextn_predict_layers"] = _int(t, ["num_nextn_predict_layers"], 0, minimum=0, prefix=p)
-    if c["num_nextn_predict_layers"] and not c["mla_layer_ids"] and c["num_attention_heads"] == 0:
-        raise ConfigError(p + "num_nextn_predict_layers", "MTP layers are MLA layers and need the MLA fields")
+    c["num_nextn_predict_layers"] = n_mtp
     return K3Config(**c)
 
 

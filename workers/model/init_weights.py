@@ -4,11 +4,12 @@ Every tensor draws from its own generator seeded by (seed, name), so the result 
 order of generation, and everything is produced on the target device (fast on a GPU: no per-expert
 loops; MXFP4 experts are quantized layer by layer in one call).
 
-Scales (fan_in = the input width): linear layers N(0, 1/fan_in) so every sublayer keeps unit-RMS
-activations; embeddings N(0, 1); lm_head N(0, 4/H) (logit std ~2); norm weights 1 + 0.05 N(0,1); AttnRes
+Scales (fan_in = the input width): linear layers N(0, 1/fan_in), with the sublayer output projections
+(o_proj, down_proj, routed_expert_up_proj, or the experts' w2 without a latent) scaled by 1/sqrt(2L);
+embeddings N(0, 1); lm_head N(0, 4/H) (logit std ~2); norm weights 1 + 0.05 N(0,1); AttnRes
 pseudo-queries N(0, 1/H) (source logits ~N(0,1)); router N(0, 1/H) with a correction bias 0.05 N(0,1);
 KDA A_log = log U(1, 16), dt_bias = softplus^-1(dt) with log dt ~ U(log 1e-3, log 1e-1) (FLA's init),
-conv taps U(-1/sqrt(K), 1/sqrt(K)).
+conv taps U(-1/sqrt(K), 1/sqrt(K)); routed experts share a common component (see EXPERT_SPREAD).
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ from .config import K3Config
 from .loader import target_dtype
 from .spec import WeightSpec, expected_weights
 
+EXPERT_SPREAD = 0.3
+"""Share of per-expert noise in expert weights (the rest is common to all experts): with fully independent
+experts, a near-tie in routing that bf16 rounding flips changes the layer output completely and bf16 runs
+diverge from float64 within a few tokens; at 0.3 routing still matters but such flips stay small."""
+
+
+_OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.weight")
+
+
+def output_scale(cfg: K3Config) -> float:
+    """Extra factor on the sublayer output projections: 1/sqrt(2L) (GPT-2's residual scaling). Random deep
+    stacks are chaotic otherwise: bf16 rounding alone would change most argmaxes of a 24-layer model."""
+    return 1.0 / math.sqrt(2 * cfg.num_hidden_layers)
+
 
 def _gen(seed: int, name: str, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
@@ -37,6 +52,14 @@ def _randn(shape, g, device, std: float) -> torch.Tensor:
 
 def _rand(shape, g, device, lo: float, hi: float) -> torch.Tensor:
     return torch.rand(shape, generator=g, device=device, dtype=torch.float32) * (hi - lo) + lo
+
+
+def _experts(shape, g, device) -> torch.Tensor:
+    """Stacked expert weights `[E, out, in]`: a shared component plus an EXPERT_SPREAD share of per-expert noise."""
+    std = 1.0 / math.sqrt(shape[-1])
+    common = _randn((1, *shape[1:]), g, device, std)
+    own = _randn(shape, g, device, std)
+    return math.sqrt(1.0 - EXPERT_SPREAD**2) * common + EXPERT_SPREAD * own
 
 
 def _init_tensor(name: str, spec: WeightSpec, cfg: K3Config, g, device) -> torch.Tensor:  # noqa: C901
@@ -62,9 +85,11 @@ def _init_tensor(name: str, spec: WeightSpec, cfg: K3Config, g, device) -> torch
     if name.endswith(("lm_head.weight", "shared_head.head.weight")):
         return _randn(shape, g, device, 2.0 / math.sqrt(H))
     if len(shape) == 3:  # stacked experts [E, out, in]
-        return _randn(shape, g, device, 1.0 / math.sqrt(shape[-1]))
+        w = _experts(shape, g, device)
+        return w * output_scale(cfg) if name.endswith("w2") and cfg.routed_expert_hidden_size is None else w
     if len(shape) == 2:
-        return _randn(shape, g, device, 1.0 / math.sqrt(shape[-1]))
+        out_scale = output_scale(cfg) if name.endswith(_OUTPUT_PROJECTIONS) else 1.0
+        return _randn(shape, g, device, out_scale / math.sqrt(shape[-1]))
     raise ValueError(f"no init rule for {name} {shape} ({leaf})")
 
 
@@ -85,7 +110,9 @@ def init_weights(
         if spec.kind == "uint8":  # w13_packed / w2_packed: draw the float weight, quantize, set both tensors
             base = name[: -len("_packed")]
             E, rows, half = spec.shape
-            w = _randn((E, rows, half * 2), _gen(seed, base, device), device, 1.0 / math.sqrt(half * 2))
+            w = _experts((E, rows, half * 2), _gen(seed, base, device), device)
+            if base.endswith("w2") and cfg.routed_expert_hidden_size is None:
+                w = w * output_scale(cfg)
             out[name], out[base + "_scale"] = mxfp4_quantize(w)
             del w
             continue

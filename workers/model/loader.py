@@ -90,11 +90,12 @@ def plan_load(cfg: K3Config, headers: dict[str, tuple[tuple[int, ...], str]], mo
                 src[0] = p.src_rows[1] - p.src_rows[0]
             dst = piece_dst_shape(spec, p)
             ok_dtype = sdtype in (_BYTE_DTYPES if spec.kind == "uint8" else _FLOAT_DTYPES)
+            key = (p.expert, p.dst_rows) if p.expert is not None else "whole"
             if squeezed(src) != squeezed(dst) or not ok_dtype:
                 mismatched.append(f"{disk}: {list(shape)} {sdtype}, expected {list(dst)} "
                                   f"{'uint8' if spec.kind == 'uint8' else 'float'} for {p.target}")
+                covered[p.target].add(key)  # reported once, as mismatched (not also as missing)
                 continue
-            key = (p.expert, p.dst_rows) if p.expert is not None else "whole"
             if key in covered[p.target] or ("whole" in covered[p.target] and p.expert is not None):
                 unexpected.append(f"{disk} (duplicates data already given for {p.target})")
                 continue

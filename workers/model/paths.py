@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_FORMAT_VERSION = 1
+TINY_FORMAT_VERSION = 2
 """Bump when make-model's output for the tiny preset changes, so stale caches are not reused."""
 
 

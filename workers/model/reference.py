@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from k3serve.kernels.reference.mxfp4 import mxfp4_dequantize
+
 from .attn_res import AttnResState
 from .config import K3Config
 from .functional import LayerWeights, acc_dtype, rms_norm
@@ -25,12 +27,26 @@ from .mla import mla_forward
 from .moe import dense_mlp, moe_forward
 
 
+def dequantize_experts(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A copy of `weights` whose MXFP4 expert tensors are replaced by dense `experts.w13` / `experts.w2`.
+
+    MXFP4 dequantization is exact in float32/float64, so this changes no value; it only avoids
+    decoding the same experts again on every forward pass.
+    """
+    out = dict(weights)
+    for name in [n for n in weights if n.endswith("experts.w13_packed")]:
+        base = name[: -len("w13_packed")]
+        for m in ("w13", "w2"):
+            out[base + m] = mxfp4_dequantize(out.pop(base + m + "_packed"), out.pop(base + m + "_scale"), dtype)
+    return out
+
+
 class ReferenceModel:
     """A K3 / Kimi-Linear text model over a canonical weight dict (see `loader.load_model_weights`)."""
 
     def __init__(self, cfg: K3Config, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64):
         self.cfg = cfg
-        self.w = weights
+        self.w = dequantize_experts(weights, dtype)
         self.dtype = dtype
 
     def _attention(self, i: int, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Argmax-invariant shaping for randomly sampled rows: temperature, min-p, top-k, top-p.
 
 Every function takes `logits: Tensor[M, V]` (float32 or float64; the M random rows) and per-row
-parameter tensors of shape [M] on the same device, and returns a new tensor of the same shape in
-which removed tokens are -inf. Order used by `Sampler` (vLLM v1): temperature, min-p, top-k, top-p.
+parameter tensors of shape [M], and returns a new tensor of the same shape in which removed tokens
+are -inf. Parameter tensors may live on the CPU (preferred: the branch decisions are then taken
+without a device sync) or on the logits' device.
+Order used by `Sampler` (vLLM v1): temperature, min-p, then top-k and top-p.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """logits / temperature per row; temperature: Tensor[M] > 0 (greedy rows never get here)."""
-    return logits / temperature.unsqueeze(1)
+    return logits / temperature.to(device=logits.device, dtype=logits.dtype, non_blocking=True).unsqueeze(1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -21,6 +23,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     Rows with min_p == 0 are unchanged (every probability is >= 0).
     """
     probs = torch.softmax(logits, dim=-1)
+    min_p = min_p.to(device=logits.device, dtype=logits.dtype, non_blocking=True)
     threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill(probs < threshold, float("-inf"))
 
@@ -36,9 +39,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     """
     vocab = logits.shape[1]
     k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
-    use_p = top_p < 1.0
-    if not bool(use_p.any()):
+    if not bool((top_p < 1.0).any()):
         return apply_top_k(logits, k)
+    k = k.to(logits.device, non_blocking=True)
+    top_p = top_p.to(device=logits.device, dtype=logits.dtype, non_blocking=True)
+    use_p = top_p < 1.0
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -61,6 +66,7 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     if not bool(active.any()):
         return logits
     max_k = int(torch.where(active, k, torch.ones_like(k)).max())
+    k, active = k.to(logits.device, non_blocking=True), active.to(logits.device, non_blocking=True)
     top_vals = logits.topk(max_k, dim=-1).values
     kth = top_vals.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
     kth = torch.where(active.unsqueeze(1), kth, torch.full_like(kth, float("-inf")))

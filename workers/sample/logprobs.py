@@ -30,8 +30,9 @@ def gather_logprobs(
     """Per row i: None if num_top[i] is None, else [chosen, top_1..top_n] as (id, logprob, rank).
 
     logprobs: Tensor[N, V] from `compute_logprobs`; token_ids: Tensor[N] int64 (the chosen ids);
-    num_top: N entries, n >= 0. Ranks follow `token_ranks` for every entry, so tied tokens share a
-    rank. One topk over the asking rows with the largest n; results are copied to the host once per field.
+    num_top: N entries, n >= 0 (n > V is clipped to V). Ranks follow `token_ranks` for every entry,
+    so tied tokens share a rank. One topk over the asking rows with the largest n; one device->host
+    copy.
     """
     asking = [i for i, n in enumerate(num_top) if n is not None]
     result: list[list[LogprobEntry] | None] = [None] * len(num_top)
@@ -43,19 +44,20 @@ def gather_logprobs(
     chosen_lp = lp.gather(1, ids.view(-1, 1)).squeeze(1)
     chosen_rank = token_ranks(lp, ids)
     max_n = min(max(int(num_top[i]) for i in asking), lp.shape[1])
-    tlp_l: list[list[float]] = [[] for _ in asking]
-    tid_l: list[list[int]] = [[] for _ in asking]
-    trank_l: list[list[int]] = [[] for _ in asking]
+    top_lp, top_ids = lp.topk(max_n, dim=-1)
+    # Rank of the j-th top value = 1 + index of the first top value equal to it: every strictly
+    # larger value precedes it in the descending top list.
     if max_n > 0:
-        top_lp, top_ids = lp.topk(max_n, dim=-1)
-        # Rank of the j-th top value = 1 + index of the first top value equal to it: every strictly
-        # larger value precedes it in the descending top list.
         top_rank = (top_lp.unsqueeze(2) == top_lp.unsqueeze(1)).int().argmax(dim=2) + 1
-        tlp_l, tid_l, trank_l = top_lp.tolist(), top_ids.tolist(), top_rank.tolist()
-    ids_l, clp_l, crank_l = ids.tolist(), chosen_lp.tolist(), chosen_rank.tolist()
+    else:
+        top_rank = top_ids  # [R, 0]
+    # One device->host copy; ids and ranks are exact in float64.
+    cols = [ids.unsqueeze(1), chosen_lp.unsqueeze(1), chosen_rank.unsqueeze(1), top_ids, top_lp, top_rank]
+    packed = torch.cat([c.to(torch.float64) for c in cols], dim=1).tolist()
     for r, i in enumerate(asking):
-        n = min(int(num_top[i]), max_n)
-        entries: list[LogprobEntry] = [(ids_l[r], clp_l[r], crank_l[r])]
-        entries += [(tid_l[r][j], tlp_l[r][j], trank_l[r][j]) for j in range(n)]
+        row = packed[r]
+        entries: list[LogprobEntry] = [(int(row[0]), row[1], int(row[2]))]
+        for j in range(min(int(num_top[i]), max_n)):
+            entries.append((int(row[3 + j]), row[3 + max_n + j], int(row[3 + 2 * max_n + j])))
         result[i] = entries
     return result

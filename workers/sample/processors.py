@@ -7,7 +7,7 @@ the request layer). Rows with nothing to do cost nothing beyond a Python check.
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -74,37 +74,49 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
     vocab = logits.shape[1]
     dev, dt = logits.device, logits.dtype
     sub_states = [states[i] for i in sel]
-    out_counts = token_counts([st.output_token_ids for st in sub_states], vocab, dev)
-    rows = _long(sel, dev)
-    sub = logits[rows]
+    out_counts = token_counts([st.output_ids() for st in sub_states], vocab, dev)
+    everyone = len(sel) == logits.shape[0]
+    rows = None if everyone else _long(sel, dev)
+    sub = logits if rows is None else logits[rows]
 
     rep = torch.tensor([st.params.repetition_penalty for st in sub_states], dtype=dt, device=dev)
-    if bool((rep != 1.0).any()):
-        seen = (token_counts([st.prompt_token_ids for st in sub_states], vocab, dev) > 0) | (out_counts > 0)
+    if any(st.params.repetition_penalty != 1.0 for st in sub_states):
+        seen = (token_counts([st.prompt_ids() for st in sub_states], vocab, dev) > 0) | (out_counts > 0)
         rep_full = torch.where(seen, rep.unsqueeze(1), torch.ones((), dtype=dt, device=dev))
         sub = torch.where(sub > 0, sub / rep_full, sub * rep_full)
 
     freq = torch.tensor([st.params.frequency_penalty for st in sub_states], dtype=dt, device=dev)
     pres = torch.tensor([st.params.presence_penalty for st in sub_states], dtype=dt, device=dev)
     sub = sub - freq.unsqueeze(1) * out_counts.to(dt) - pres.unsqueeze(1) * (out_counts > 0).to(dt)
-    logits[rows] = sub
+    if rows is None:
+        logits.copy_(sub)
+    else:
+        logits[rows] = sub
     return logits
 
 
-def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """Tensor[M, vocab] int64: how often each id occurs in each list (ids outside [0, vocab) dropped).
+def token_counts(
+    token_ids: Sequence[torch.Tensor | Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """Tensor[M, vocab] int64: how often each id occurs in each of the M id sequences.
 
-    All lists are flattened into one host tensor (one conversion, one copy to `device`) and counted
-    with a single scatter_add into a [M, vocab + 1] buffer whose last column absorbs invalid ids.
+    Each entry is a 1-D int tensor (CPU, e.g. from `SamplingState.output_ids()`) or a list of ids.
+    Ids outside [0, vocab) are dropped. All rows are concatenated on the host, copied to `device`
+    once and counted with one scatter_add into a [M, vocab + 1] buffer (the last column absorbs
+    invalid ids).
     """
-    m = len(token_lists)
+    m = len(token_ids)
     counts = torch.zeros((m, vocab + 1), dtype=torch.long, device=device)
-    lengths = [len(t) for t in token_lists]
-    if sum(lengths) == 0:
+    parts = [t if isinstance(t, torch.Tensor) else torch.tensor(list(t), dtype=torch.long) for t in token_ids]
+    lengths = [p.numel() for p in parts]
+    total = sum(lengths)
+    if total == 0:
         return counts[:, :vocab]
-    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long).to(device)
+    flat = torch.cat(parts).to(device=device, dtype=torch.long)
     flat = torch.where((flat < 0) | (flat > vocab), torch.full_like(flat, vocab), flat)
-    rows = torch.repeat_interleave(torch.arange(m), torch.tensor(lengths)).to(device)
+    rows = torch.repeat_interleave(
+        torch.arange(m, device=device), torch.tensor(lengths, device=device), output_size=total
+    )
     counts.view(-1).scatter_add_(0, rows * (vocab + 1) + flat, torch.ones_like(flat))
     return counts[:, :vocab]
 

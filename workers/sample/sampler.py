@@ -30,7 +30,7 @@ class Sampler:
     """
 
     def __init__(self, seed: int | None = None) -> None:
-        self._seed = int(seed) if seed is not None else int(torch.seed())
+        self._seed = int(seed) if seed is not None else torch.Generator().seed()  # no global side effect
         self._generators: dict[tuple[torch.device, str], torch.Generator] = {}
 
     def global_generator(self, device: torch.device) -> torch.Generator:
@@ -84,19 +84,15 @@ class Sampler:
     def _sample_random(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Tensor[M] int64 for M non-greedy rows x: Tensor[M, V]."""
         dev, dt = x.device, x.dtype
-        temps = torch.tensor([st.params.temperature for st in states], dtype=dt, device=dev)
-        x = apply_temperature(x, temps)
+        # Parameter tensors stay on the CPU: the filters branch on them without a device sync.
+        x = apply_temperature(x, torch.tensor([st.params.temperature for st in states], dtype=dt))
         min_p = [st.params.min_p for st in states]
         if any(p > 0.0 for p in min_p):
-            x = apply_min_p(x, torch.tensor(min_p, dtype=dt, device=dev))
+            x = apply_min_p(x, torch.tensor(min_p, dtype=dt))
         top_k = [st.params.top_k for st in states]
         top_p = [st.params.top_p for st in states]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            x = apply_top_k_top_p(
-                x,
-                torch.tensor(top_k, dtype=torch.long, device=dev),
-                torch.tensor(top_p, dtype=dt, device=dev),
-            )
+            x = apply_top_k_top_p(x, torch.tensor(top_k, dtype=torch.long), torch.tensor(top_p, dtype=dt))
         probs = torch.softmax(x, dim=-1)
         noise = exponential_noise(
             [st.generator for st in states],

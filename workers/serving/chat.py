@@ -57,6 +57,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
                 async with contextlib.aclosing(merge_streams(streams)) as outs:
                     async for _, out in outs:
                         for chunk in builder.chunks(tracker.update(out)):
+                            if req.continuous_usage:
+                                chunk["usage"] = usage()
                             yield P.sse_data(chunk)
                 if req.include_usage:
                     yield P.sse_data(builder.usage_chunk(usage()))

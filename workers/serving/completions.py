@@ -57,6 +57,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
                 async with contextlib.aclosing(merge_streams(streams)) as outs:
                     async for i, out in outs:
                         for chunk in builder.chunks(i, trackers[i].update(out)):
+                            if req.continuous_usage:
+                                chunk["usage"] = usage()
                             yield P.sse_data(chunk)
                 if req.include_usage:
                     yield P.sse_data(builder.usage_chunk(usage()))

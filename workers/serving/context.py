@@ -18,6 +18,7 @@ from k3serve.common import openai_protocol as P
 from k3serve.workers.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from k3serve.workers.sampling_params import SamplingParams, SamplingParamsError
 from k3serve.workers.serving.logprobs import TokenText
+from k3serve.workers.serving.validate import check_params_token_ids, check_token_ids
 
 
 class ClientDisconnected(Exception):
@@ -48,25 +49,27 @@ class ServingContext:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.tokenizer.vocab_size)
+        return self.engine.vocab_size
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
             raise P.model_not_found(model, self.model_names)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise P.ProtocolError(f"{param}: token id {t} is outside the vocabulary [0, {self.vocab_size})",
-                                      param=param)
+        try:
+            check_token_ids(ids, self.vocab_size, param)
+        except ValueError as e:
+            raise P.ProtocolError(str(e), param=param) from None
 
     def sampling_params(self, kwargs: dict) -> SamplingParams:
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
+            check_params_token_ids(params, self.vocab_size)
         except SamplingParamsError as e:
             raise P.ProtocolError(str(e), param=str(e).split(":", 1)[0]) from None
         except (TypeError, ValueError) as e:
-            raise P.ProtocolError(f"invalid sampling parameters: {e}") from None
+            raise P.ProtocolError(str(e), param=str(e).split(":", 1)[0]) from None
+        return params
 
     async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                      cache_salt: str | None) -> RequestStream:

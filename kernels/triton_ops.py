@@ -1,0 +1,89 @@
+"""Registers the Triton kernels with `k3serve.kernels.ops` (imported automatically on the first CUDA call).
+
+Every registered function keeps the reference signature; inputs a kernel does not handle (float64,
+non-power-of-two head sizes, ...) are passed on to the reference op, so a registration never narrows
+the op's contract. Importing this module needs triton (the dispatcher treats its absence as "no kernels").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import reference
+from .ops import register_impl
+from .triton import attn_res as _ar
+from .triton import kda_chunk as _kc
+from .triton import kda_decode as _kd
+from .triton import kda_recurrent as _kr
+from .triton import mla_decode as _mla
+from .triton import moe as _moe
+
+
+def _kda_chunked(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, **kw):
+    if not _kc.supported(q, k, v, g, beta, state_pool):
+        return reference.kda_chunked(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, **kw)
+    B = cu_seqlens.numel() - 1
+    if kw.get("checkpoint_seq") is None and q.shape[0] <= 2 * B:  # decode-shaped: token-serial, no host sync
+        kw.pop("chunk_size", None)
+        return _kr.kda_recurrent_triton(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state,
+                                        **kw)
+    return _kc.kda_chunked_triton(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, **kw)
+
+
+def _kda_recurrent(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, **kw):
+    if not _kc.supported(q, k, v, g, beta, state_pool):
+        return reference.kda_recurrent(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state,
+                                       **kw)
+    if kw.get("checkpoint_seq") is not None:  # exact same function; the chunk path handles any checkpoints
+        return _kc.kda_chunked_triton(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state,
+                                      **kw)
+    return _kr.kda_recurrent_triton(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, **kw)
+
+
+def _kda_decode(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit, gate, o_norm_weight, state_pool,
+                state_indices, has_initial_state, **kw):
+    args = (qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit, gate, o_norm_weight, state_pool,
+            state_indices, has_initial_state)
+    if not _kd.supported(qkv, raw_g, state_pool, conv_states):
+        return reference.kda_decode(*args, **kw)
+    return _kd.kda_decode_triton(*args, **kw)
+
+
+def _attn_res(partial, delta, blocks, w_norm, w_q, w_out, n, write_idx, eps, eps_out=None, round_dtype=None):
+    fn = _ar.attn_res_triton if _ar.supported(partial, delta, blocks, round_dtype) else reference.attn_res
+    return fn(partial, delta, blocks, w_norm, w_q, w_out, n, write_idx, eps, eps_out, round_dtype)
+
+
+def _mla_paged_attention(q_lat, q_pe, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, *, kv_lora_rank):
+    fn = _mla.mla_paged_attention_triton if _mla.supported(q_lat, q_pe, kv_cache, kv_lora_rank) else (
+        reference.mla_paged_attention)
+    return fn(q_lat, q_pe, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, kv_lora_rank=kv_lora_rank)
+
+
+def _moe_route(router_logits, correction_bias, top_k, **kw):
+    if router_logits.dtype == torch.float64:
+        return reference.moe_route(router_logits, correction_bias, top_k, **kw)
+    return _moe.moe_route_triton(router_logits, correction_bias, top_k, **kw)
+
+
+def _moe_experts(z, topk_weights, topk_ids, **kw):
+    if not _moe.supported(z, kw.get("w13"), kw.get("w2")):
+        return reference.moe_experts(z, topk_weights, topk_ids, **kw)
+    return _moe.moe_experts_triton(z, topk_weights, topk_ids, **kw)
+
+
+IMPLS: dict[str, Callable] = {
+    "kda_chunked": _kda_chunked,
+    "kda_recurrent": _kda_recurrent,
+    "kda_decode": _kda_decode,
+    "attn_res": _attn_res,
+    "mla_paged_attention": _mla_paged_attention,
+    "moe_route": _moe_route,
+    "moe_experts": _moe_experts,
+}
+"""Op name -> the registered Triton-backed function (reference signature)."""
+
+for _name, _fn in IMPLS.items():
+    register_impl(_name, _fn)

@@ -1,0 +1,58 @@
+"""Validate a KimiK3Deployment against the CRD's own openAPIV3Schema with a JSON-schema validator.
+
+`strict_schema` mirrors the API server's strict field validation (kubectl's default): an object
+node that lists `properties` rejects unknown fields. Messages name the field path, e.g.
+`spec.router.policy: 'fastest' is not one of ['hybrid-prefix', ...]`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from k3serve.operator import crd
+
+
+def strict_schema(schema: dict) -> dict:
+    out = copy.deepcopy(schema)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(out)
+    # metadata is validated by the API server itself, not by the CRD schema.
+    out["properties"]["metadata"] = {"type": "object"}
+    return out
+
+
+def _path(parts) -> str:
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "<root>"
+
+
+def _message(error) -> str:
+    where = _path(error.absolute_path)
+    if error.validator == "additionalProperties":
+        extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        return f"{where}: unknown field(s) {', '.join(repr(e) for e in extra)}"
+    if error.validator == "required":
+        return f"{where}: {error.message.replace(' is a required property', '')} is required"
+    return f"{where}: {error.message}"
+
+
+def errors(cr: dict) -> list[str]:
+    """Every schema violation of the custom resource, sorted; [] when valid."""
+    import jsonschema
+
+    validator = jsonschema.Draft7Validator(strict_schema(crd.openapi_schema()))
+    return sorted(_message(e) for e in validator.iter_errors(cr))

@@ -1,0 +1,249 @@
+"""GPU correctness of the Triton kernels against the reference ops (fp64 on the CPU).
+
+Every check draws fresh random inputs, poisons the CUDA caching allocator with NaN first (so an output
+element a kernel never writes shows up as NaN) and fills unused state slots with NaN (a kernel that reads
+or writes a slot it should not is caught). Calls go through `k3serve.kernels.ops`, so the registration
+in `k3serve.kernels.triton_ops` is what is tested. Tolerances: ‖out − ref‖ / ‖ref‖ per dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+from k3serve.kernels import ops, reference  # noqa: E402
+from k3serve.kernels.reference.mxfp4 import mxfp4_quantize  # noqa: E402
+
+DEV = "cuda"
+TOL = {torch.float32: 2e-4, torch.bfloat16: 2.5e-2}
+_seed = [1234]
+
+
+def gen() -> torch.Generator:
+    _seed[0] += 1
+    return torch.Generator().manual_seed(_seed[0])
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def poison_allocator(nbytes: int = 1 << 28) -> None:
+    x = torch.full((nbytes // 4,), float("nan"), device=DEV)
+    del x
+
+
+def cu_of(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+# ---------------------------------------------------------------- KDA
+def kda_inputs(T, H, K, V, g: torch.Generator, lower_bound=-5.0):
+    q = torch.randn(T, H, K, generator=g)
+    k = torch.randn(T, H, K, generator=g)
+    v = torch.randn(T, H, V, generator=g)
+    g_ = reference.kda_gate(torch.randn(T, H, K, generator=g), torch.randn(H, generator=g) * 0.5,
+                            torch.randn(H * K, generator=g), lower_bound)
+    beta = torch.sigmoid(torch.randn(T, H, generator=g))
+    return q, k, v, g_, beta
+
+
+def run_kda(op, lens, H, dt, pool_dt=torch.float32, ckpt=True, lower_bound=-5.0, K=128, V=128):
+    g = gen()
+    T = sum(lens)
+    B = len(lens)
+    q, k, v, gg, beta = kda_inputs(T, H, K, V, g, lower_bound)
+    q, k, v = (x.to(dt) for x in (q, k, v))
+    nslots = 2 * B + 4
+    pool = torch.full((nslots, H, V, K), float("nan"))
+    slots = torch.randperm(nslots, generator=g)[:B]
+    init = torch.rand(B, generator=g) < 0.6
+    for b in range(B):
+        pool[slots[b]] = torch.randn(H, V, K, generator=g) if init[b] else float("nan")
+    if B > 1:  # one padded sequence; its former slot stays NaN and must not be touched
+        pool[slots[B // 2]] = float("nan")
+        slots[B // 2] = -1
+    free = [s for s in range(nslots) if s not in slots.tolist()]
+    cs, co, csl = [], [], []
+    if ckpt:
+        for b in range(B):
+            if slots[b] >= 0 and lens[b] > 2 and len(free) >= 2:
+                cs += [b, b]
+                co += [1 + int(torch.randint(lens[b] - 1, (1,), generator=g)), lens[b]]
+                csl += [free.pop(), free.pop()]
+                pool[csl[-1]] = pool[csl[-2]] = float("nan")
+    ck = dict(checkpoint_seq=torch.tensor(cs), checkpoint_offsets=torch.tensor(co),
+              checkpoint_slots=torch.tensor(csl)) if cs else {}
+    pool = pool.to(pool_dt)
+    ref_pool = pool.double()
+    ref_o = getattr(reference, op)(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, slots,
+                                   cu_of(lens), init, **ck)
+    dpool = pool.to(DEV)
+    poison_allocator()
+    o = getattr(ops, op)(q.to(DEV), k.to(DEV), v.to(DEV), gg.to(DEV), beta.to(DEV), dpool, slots.to(DEV),
+                         cu_of(lens).to(DEV), init.to(DEV), **{a: t.to(DEV) for a, t in ck.items()})
+    torch.cuda.synchronize()
+    touched = sorted({int(s) for s in slots if s >= 0} | set(csl))
+    untouched = [s for s in range(nslots) if s not in touched]
+    assert torch.isnan(dpool[untouched].float()).all(), "a slot outside the call was written"
+    tol = TOL[dt] if pool_dt == torch.float32 else 3e-2
+    assert rel(o, ref_o) < tol, rel(o, ref_o)
+    assert rel(dpool[touched], ref_pool[touched]) < tol, rel(dpool[touched], ref_pool[touched])
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,H", [([1, 63, 64, 65, 200, 0, 129], 4), ([300, 17], 12), ([1000], 2)])
+def test_kda_chunked_gpu(lens, H, dt):
+    run_kda("kda_chunked", lens, H, dt)
+
+
+def test_kda_chunked_unbounded_gate_and_bf16_pool_gpu():
+    run_kda("kda_chunked", [150, 40, 7], 3, torch.bfloat16, lower_bound=None)
+    run_kda("kda_chunked", [150, 40, 7], 3, torch.bfloat16, pool_dt=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_kda_decode_shaped_and_recurrent_gpu(dt):
+    run_kda("kda_chunked", [1] * 33, 4, dt, ckpt=False)  # T == B: the token-serial path
+    run_kda("kda_recurrent", [5, 1, 30, 2], 4, dt)
+    run_kda("kda_recurrent", [1, 2, 1, 3], 4, dt, ckpt=False)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,lb", [(1, -5.0), (7, None), (70, -5.0)])
+def test_kda_decode_fused_gpu(N, lb, dt):
+    g = gen()
+    H, K, V, W = 4, 128, 128, 4
+    C = 2 * H * K + H * V
+    qkv = torch.randn(N, C, generator=g).to(dt)
+    cw = torch.randn(C, W, generator=g) * 0.5
+    nslots = N + 3
+    cs = torch.randn(nslots, C, W - 1, generator=g).to(dt)
+    pool = torch.randn(nslots, H, V, K, generator=g)
+    rg = torch.randn(N, H, K, generator=g).to(dt)
+    al = torch.randn(H, generator=g) * 0.5
+    dtb = torch.randn(H * K, generator=g)
+    bl = torch.randn(N, H, generator=g).to(dt)
+    gate = torch.randn(N, H, V, generator=g).to(dt)
+    onw = torch.rand(V, generator=g) + 0.5
+    slots = torch.randperm(nslots, generator=g)[:N]
+    if N > 1:
+        slots[N // 2] = -1
+    init = torch.rand(N, generator=g) < 0.8
+    unused = [s for s in range(nslots) if s not in slots.tolist()]
+    pool[unused] = float("nan")
+    cs[unused] = float("nan")
+    rc, rp = cs.double(), pool.double()
+    ref = reference.kda_decode(qkv.double(), cw.double(), rc, rg.double(), al.double(), dtb.double(), bl.double(),
+                               gate.double(), onw.double(), rp, slots, init, lower_bound=lb)
+    dc, dp = cs.to(DEV), pool.to(DEV)
+    poison_allocator()
+    y = ops.kda_decode(qkv.to(DEV), cw.to(DEV), dc, rg.to(DEV), al.to(DEV), dtb.to(DEV), bl.to(DEV), gate.to(DEV),
+                       onw.to(DEV), dp, slots.to(DEV), init.to(DEV), lower_bound=lb)
+    torch.cuda.synchronize()
+    used = [int(s) for s in slots if s >= 0]
+    assert torch.isnan(dp[unused]).all() and torch.isnan(dc[unused].float()).all()
+    assert rel(y, ref) < TOL[dt], rel(y, ref)
+    assert rel(dp[used], rp[used]) < TOL[dt]
+    assert rel(dc[used], rc[used]) < TOL[dt]
+
+
+# ---------------------------------------------------------------- AttnRes
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,D,n,wi,delta,wout", [(1, 7168, 8, -1, True, True), (37, 7168, 3, 3, True, True),
+                                                 (5, 1000, 0, 0, False, True), (64, 2048, 8, -1, True, False)])
+def test_attn_res_gpu(T, D, n, wi, delta, wout, dt):
+    g = gen()
+    NB = 9
+    p = torch.randn(T, D, generator=g).to(dt)
+    d = torch.randn(T, D, generator=g).to(dt) if delta else None
+    bl = torch.randn(T, NB, D, generator=g).to(dt)
+    wn = torch.rand(D, generator=g) + 0.5
+    wq = torch.randn(1, D, generator=g) * 0.05
+    wo = torch.rand(D, generator=g) + 0.5 if wout else None
+    rd = dt if dt != torch.float32 else None
+    rp, rb = p.double(), bl.double()
+    ref = reference.attn_res(rp, None if d is None else d.double(), rb, wn.double(), wq.double(),
+                             None if wo is None else wo.double(), n, wi, 1e-5, round_dtype=None)
+    dp, db = p.to(DEV), bl.to(DEV)
+    poison_allocator()
+    y = ops.attn_res(dp, None if d is None else d.to(DEV), db, wn.to(DEV), wq.to(DEV), None if wo is None else
+                     wo.to(DEV), n, wi, 1e-5, round_dtype=rd)
+    torch.cuda.synchronize()
+    assert rel(y, ref) < TOL[dt], rel(y, ref)
+    assert rel(dp, rp) < TOL[dt] / 4
+    assert rel(db, rb) < TOL[dt] / 4
+
+
+# ---------------------------------------------------------------- MLA
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hh,ctx,nq,bs", [(12, [3000], [1], 64), (32, [1, 700, 4097, 65], [1, 1, 1, 1], 16),
+                                          (96, [500, 33], [1, 1], 64), (16, [300, 90], [40, 3], 64)])
+def test_mla_paged_gpu(Hh, ctx, nq, bs, dt):
+    g = gen()
+    L, R = 512, 64
+    B = len(ctx)
+    maxb = max(math.ceil(c / bs) for c in ctx) + 1
+    nblocks = B * maxb + 3
+    cache = torch.randn(nblocks, bs, L + R, generator=g).to(dt)
+    bt = torch.randperm(nblocks, generator=g)[: B * maxb].view(B, maxb).to(torch.int32)
+    cu = cu_of(nq)
+    T = int(cu[-1])
+    ql = torch.randn(T, Hh, L, generator=g).to(dt) * 0.1
+    qp = torch.randn(T, Hh, R, generator=g).to(dt) * 0.1
+    sl = torch.tensor(ctx, dtype=torch.int32)
+    ref = reference.mla_paged_attention(ql.double(), qp.double(), cache.double(), bt, sl, cu, 192**-0.5,
+                                        kv_lora_rank=L)
+    poison_allocator()
+    o = ops.mla_paged_attention(ql.to(DEV), qp.to(DEV), cache.to(DEV), bt.to(DEV), sl.to(DEV), cu.to(DEV),
+                                192**-0.5, kv_lora_rank=L)
+    torch.cuda.synchronize()
+    assert rel(o, ref) < TOL[dt], rel(o, ref)
+
+
+# ---------------------------------------------------------------- MoE
+@pytest.mark.parametrize("T,E,k,G,tg,scoring", [(1, 896, 16, 1, 1, "sigmoid"), (33, 896, 16, 1, 1, "sigmoid"),
+                                                (20, 256, 8, 8, 4, "sigmoid"), (9, 64, 6, 1, 1, "softmax")])
+def test_moe_route_gpu(T, E, k, G, tg, scoring):
+    g = gen()
+    lg = torch.randn(T, E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.1
+    rw, ri = reference.moe_route(lg.double(), bias.double(), k, num_expert_group=G, topk_group=tg, scoring=scoring)
+    w, i = ops.moe_route(lg.to(DEV), bias.to(DEV), k, num_expert_group=G, topk_group=tg, scoring=scoring)
+    assert torch.equal(i.cpu(), ri)
+    assert rel(w, rw) < 1e-5
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,fp4", [(1, True), (8, True), (64, True), (13, False)])
+def test_moe_experts_gpu(T, fp4, dt):
+    g = gen()
+    E, k, DIN, I, DOUT = 32, 8, 512, 128, 384
+    z = torch.randn(T, DIN, generator=g).to(dt)
+    w13 = torch.randn(E, 2 * I, DIN, generator=g) * DIN**-0.5
+    w2 = torch.randn(E, DOUT, I, generator=g) * I**-0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if T > 1:
+        ids[1, 0] = -1
+    tw = torch.rand(T, k, generator=g)
+    if fp4:
+        p13, s13 = mxfp4_quantize(w13)
+        p2, s2 = mxfp4_quantize(w2)
+        kw = dict(w13_packed=p13, w13_scale=s13, w2_packed=p2, w2_scale=s2)
+    else:
+        kw = dict(w13=w13.to(dt), w2=w2.to(dt))
+    ref = reference.moe_experts(z.double(), tw.double(), ids, situ_linear_beta=25.0,
+                                **{a: (t.double() if t.is_floating_point() else t) for a, t in kw.items()})
+    poison_allocator()
+    o = ops.moe_experts(z.to(DEV), tw.to(DEV), ids.to(DEV), situ_linear_beta=25.0,
+                        **{a: t.to(DEV) for a, t in kw.items()})
+    torch.cuda.synchronize()
+    assert rel(o, ref) < TOL[dt], rel(o, ref)

@@ -1,0 +1,60 @@
+"""Engine == reference, token for token (float64), under chunked prefill and preemption.
+
+≥ 50 random prompts of mixed lengths are submitted together with a small token budget (every
+long prompt is prefilled in chunks, decodes ride along in the same steps) and a KV budget barely
+above one request's worth (requests are preempted and recomputed). Runs on the tiny preset and on
+random configs (different layer patterns, head counts, block sizes, gates, routers, residuals).
+"""
+
+from __future__ import annotations
+
+import pytest
+from _engine_helpers import (
+    engine_outputs,
+    random_model_dir,
+    random_prompts,
+    reference_outputs,
+    tight_kv_budget,
+)
+
+from k3serve.workers.llm import LLM
+
+MAX_NEW = 5
+
+
+def _check(model_dir, prompts, **engine_kw):
+    refs = reference_outputs(model_dir, prompts, MAX_NEW)
+    llm = LLM(str(model_dir), dtype="float64", skip_tokenizer_init=True, **engine_kw)
+    outs = engine_outputs(llm, prompts, MAX_NEW)
+    mismatches = [(i, r, o) for i, (r, o) in enumerate(zip(refs, outs)) if r != o]
+    assert not mismatches, f"{len(mismatches)} of {len(prompts)} differ, first: {mismatches[0]}"
+    return llm
+
+
+def test_tiny_batched_chunked_preempted(tiny_model_dir):
+    prompts = random_prompts(1, 50, 576, 1, 60)
+    budget = tight_kv_budget(tiny_model_dir, 128, extra_blocks=2, block_size=16)
+    llm = _check(tiny_model_dir, prompts, max_model_len=128, max_num_batched_tokens=24, max_num_seqs=16,
+                 block_size=16, kv_cache_memory=budget)
+    assert llm.engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_random_configs(tmp_path_factory, seed):
+    d = random_model_dir(tmp_path_factory.getbasetemp(), seed)
+    from k3serve.workers.model.config import K3Config
+
+    cfg = K3Config.from_pretrained(str(d))
+    prompts = random_prompts(seed, 50, cfg.vocab_size, 1, 40)
+    budget = tight_kv_budget(d, 96, extra_blocks=3, block_size=8)
+    llm = _check(d, prompts, max_model_len=96, max_num_batched_tokens=20, max_num_seqs=12, block_size=8,
+                 kv_cache_memory=budget)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_derived_block_size_and_budget_error(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float64", max_model_len=256)
+    lay = llm.engine.layout
+    assert lay.block_size % 16 == 0 and lay.block_size * lay.mla_token_elems * 8 >= lay.kda_page_used
+    with pytest.raises(ValueError, match="minimum is"):
+        LLM(str(tiny_model_dir), dtype="float64", max_model_len=256, kv_cache_memory=lay.bytes_per_block * 2)

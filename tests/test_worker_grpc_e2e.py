@@ -1,0 +1,123 @@
+"""`k3serve worker` as a real process on the tiny checkpoint: gRPC Generate/Abort/Health/GetLoad and the
+metrics port (/metrics, /health, /ready). Greedy tokens over gRPC equal the offline LLM's."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from k3serve.workers.grpc_convert import load_to_dict, sampling_to_proto
+from k3serve.workers.proto import worker_pb2 as pb
+from k3serve.workers.proto import worker_pb2_grpc as pb_grpc
+
+MAX_LEN = 512
+
+
+def _cmd(model_dir, *extra):
+    return [sys.executable, "-m", "k3serve.cli", "worker", "--model", str(model_dir), "--grpc-port", "0",
+            "--metrics-port", "0", "--max-model-len", str(MAX_LEN), "--num-threads", "1", "--log-level", "warning",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_dir):
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    proc = subprocess.Popen(_cmd(tiny_model_dir, "--role", "both", "--served-model-name", "tiny"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines, found = [], None
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        found = re.search(r"ready grpc=(\S+) metrics=(\S+)", line)
+        if found:
+            break
+    if not found:
+        proc.kill()
+        pytest.fail("worker did not start:\n" + "".join(lines))
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    channel = grpc.insecure_channel(found.group(1))
+    yield proc, pb_grpc.WorkerStub(channel), found.group(2)
+    channel.close()
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_health_load_and_metrics_port(worker):
+    _, stub, murl = worker
+    h = stub.Health(pb.HealthRequest(), timeout=10)
+    assert (h.status, h.role, h.model) == (pb.HealthResponse.SERVING, "both", "tiny")
+    load = load_to_dict(stub.GetLoad(pb.LoadRequest(), timeout=10))
+    assert load["running"] == 0 and load["waiting"] == 0 and load["max_model_len"] == MAX_LEN
+    assert 0 < load["free_pages"] <= load["total_pages"] and load["kda_slots_total"] > 0
+    assert httpx.get(murl + "/health").status_code == 200 and httpx.get(murl + "/ready").status_code == 200
+    assert "# TYPE vllm:num_requests_running gauge" in httpx.get(murl + "/metrics").text
+
+
+def test_generate_greedy_matches_offline_llm(worker, tiny_model_dir):
+    _, stub, murl = worker
+    import torch
+
+    from k3serve.workers.llm import LLM
+
+    torch.set_num_threads(1)
+    from k3serve.workers.sampling_params import SamplingParams
+
+    prompt = [5, 17, 42, 99, 7]
+    sp = dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    resps = list(stub.Generate(pb.GenerateRequest(request_id="greedy-1", prompt_token_ids=prompt,
+                                                  sampling_params=sampling_to_proto(sp)), timeout=60))
+    ids = [t for r in resps for o in r.outputs for t in o.token_ids]
+    assert resps[-1].finished and resps[-1].outputs[-1].finish_reason == "length"
+    assert all(r.prompt_tokens == len(prompt) for r in resps)
+    assert len([lp for r in resps for o in r.outputs for lp in o.logprobs]) == 6
+    ref = LLM(str(tiny_model_dir), max_model_len=MAX_LEN).generate(prompt, SamplingParams(**sp))[0]
+    assert ids == ref.outputs[0].token_ids
+    assert "".join(o.text for r in resps for o in r.outputs) == ref.outputs[0].text
+    m = re.search(r'^vllm:prompt_tokens_total\{model_name="tiny"\} (\S+)$', httpx.get(murl + "/metrics").text, re.M)
+    assert m and float(m.group(1)) >= len(prompt)
+
+
+def test_abort_in_flight(worker):
+    _, stub, _ = worker
+    call = stub.Generate(pb.GenerateRequest(request_id="long-1", prompt_token_ids=[1, 2, 3],
+                                            sampling_params=sampling_to_proto(dict(max_tokens=400, ignore_eos=True))),
+                         timeout=60)
+    first = next(call)
+    assert first.request_id == "long-1"
+    assert stub.Abort(pb.AbortRequest(request_id="long-1"), timeout=10).found
+    rest = list(call)
+    assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
+    assert sum(len(o.token_ids) for r in [first, *rest] for o in r.outputs) < 400
+    deadline = time.monotonic() + 5  # the load snapshot follows the engine's next stats refresh
+    while load_to_dict(stub.GetLoad(pb.LoadRequest(), timeout=10))["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load_to_dict(stub.GetLoad(pb.LoadRequest(), timeout=10))["running"] == 0
+
+
+def test_invalid_argument(worker):
+    _, stub, _ = worker
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Generate(pb.GenerateRequest(request_id="bad", prompt_token_ids=list(range(MAX_LEN))), timeout=10))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sigterm_exits_cleanly(worker):
+    proc, _, _ = worker
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_unimplemented_role_is_refused(tiny_model_dir):
+    r = subprocess.run(_cmd(tiny_model_dir, "--role", "prefill"), capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONSAFEPATH="1"))
+    assert r.returncode == 2 and "not implemented yet" in r.stdout
