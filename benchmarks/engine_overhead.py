@@ -25,12 +25,12 @@ from k3serve.workers.engine.kv_cache_manager import HybridKVCacheManager  # noqa
 from k3serve.workers.engine.model_runner import InputPreparer  # noqa: E402
 from k3serve.workers.engine.request import Request  # noqa: E402
 from k3serve.workers.engine.scheduler import Scheduler  # noqa: E402
-from k3serve.workers.model.testing import preset_config  # noqa: E402
+from k3serve.workers.model.make_model import build_config  # noqa: E402
 from k3serve.workers.sampling_params import SamplingParams  # noqa: E402
 
 
 def measure(n_reqs: int, ctx: int = 512, steps: int = 50) -> tuple[float, float]:
-    cfg = preset_config("tiny")
+    cfg = build_config("tiny")
     layout = plan_cache_layout(cfg, torch.float32, block_size=16)
     max_len = ctx + steps + 8
     blocks_per_req = len(layout.mla_groups) * (max_len // 16 + 2) + 3 * len(layout.kda_groups)
@@ -46,7 +46,7 @@ def measure(n_reqs: int, ctx: int = 512, steps: int = 50) -> tuple[float, float]
         sched.add(r)
         reqs.append(r)
     # admit everything (prefill, done in a few steps), then time pure decode steps
-    while any(r.num_computed_tokens < r.num_tokens for r in reqs):
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         out = sched.schedule()
         prep.prepare(out)
         sched.end_step()

@@ -212,4 +212,4 @@ class K3ForwardModel:
                              W["model.output_attn_res_proj.weight"], None, nb, -1, eps, round_dtype=round_dtype)
         h = h[b.logits_indices]
         h = ops.rms_norm(h, W["model.norm.weight"], eps)
-        return linear(h.to(self.acc), W["lm_head.weight"].to(self.acc))
+        return linear(h, W["lm_head.weight"]).to(self.acc)
