@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 from k3serve.operator import names as n
-from k3serve.operator.kube import BY_KIND, KubeClient, Resource
+from k3serve.operator.kube import BY_KIND, KubeClient, KubeError, Resource
 from k3serve.operator.render_context import canonical_json, config_hash
 
 _MISSING = object()
@@ -51,8 +51,9 @@ def stamp(obj: dict) -> dict:
         bare["metadata"].pop("annotations", None)
     text = canonical_json(bare)
     out = json.loads(text)
-    out["metadata"].setdefault("annotations", {}).update({n.ANN_APPLIED_HASH: config_hash(bare),
-                                                          n.ANN_LAST_APPLIED: text})
+    out["metadata"].setdefault("annotations", {}).update(
+        {n.ANN_APPLIED_HASH: config_hash(bare), n.ANN_LAST_APPLIED: text}
+    )
     return out
 
 
@@ -64,8 +65,16 @@ class ApplyReport:
     deleted: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        parts = [f"{len(v)} {k}" for k, v in (("created", self.created), ("patched", self.patched),
-                                               ("unchanged", self.unchanged), ("deleted", self.deleted)) if v]
+        parts = [
+            f"{len(v)} {k}"
+            for k, v in (
+                ("created", self.created),
+                ("patched", self.patched),
+                ("unchanged", self.unchanged),
+                ("deleted", self.deleted),
+            )
+            if v
+        ]
         return ", ".join(parts) or "nothing to do"
 
 
@@ -81,6 +90,9 @@ async def apply_one(client: KubeClient, obj: dict, report: ApplyReport) -> dict:
     if live is None:
         report.created.append(ref(obj))
         return await client.create(desired)
+    conflict = foreign(live, obj)
+    if conflict:
+        raise KubeError(409, "Conflict", f"{ref(obj)} already exists and {conflict}; rename or delete it")
     live_ann = (live.get("metadata") or {}).get("annotations") or {}
     if live_ann.get(n.ANN_APPLIED_HASH) == meta["annotations"][n.ANN_APPLIED_HASH]:
         report.unchanged.append(ref(obj))
@@ -94,6 +106,20 @@ async def apply_one(client: KubeClient, obj: dict, report: ApplyReport) -> dict:
     return await client.patch(res, meta["namespace"], meta["name"], patch)
 
 
+def foreign(live: dict, desired: dict) -> str:
+    """Why `live` must not be taken over by the deployment that renders `desired` ("" if it may):
+    it is not labelled as managed for that deployment, or another object controls it. Unowned objects
+    labelled for the deployment (left by an orphaning delete) are adopted."""
+    labels = desired["metadata"]["labels"]
+    if not labelled_for(live, labels[n.LABEL_DEPLOYMENT]):
+        return "is not managed by this KimiK3Deployment"
+    mine = {r["uid"] for r in desired["metadata"].get("ownerReferences") or []}
+    for owner in (live.get("metadata") or {}).get("ownerReferences") or []:
+        if owner.get("controller") and mine and owner.get("uid") not in mine:
+            return f"is controlled by {owner.get('kind')}/{owner.get('name')}"
+    return ""
+
+
 def owned_by(obj: dict, uid: str) -> bool:
     return any(r.get("uid") == uid for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
@@ -103,7 +129,9 @@ def labelled_for(obj: dict, name: str) -> bool:
     return labels.get(n.LABEL_DEPLOYMENT) == name and labels.get(n.LABEL_MANAGED_BY) == n.MANAGED_BY
 
 
-async def list_children(client: KubeClient, resources: list[Resource], namespace: str, name: str) -> list[dict]:
+async def list_children(
+    client: KubeClient, resources: list[Resource], namespace: str, name: str
+) -> list[dict]:
     """Objects in the namespace labelled as managed for deployment `name` (filtered client-side)."""
     out: list[dict] = []
     for res in resources:
@@ -111,8 +139,15 @@ async def list_children(client: KubeClient, resources: list[Resource], namespace
     return out
 
 
-async def prune(client: KubeClient, resources: list[Resource], namespace: str, name: str, uid: str,
-                keep: set[tuple[str, str]], report: ApplyReport) -> None:
+async def prune(
+    client: KubeClient,
+    resources: list[Resource],
+    namespace: str,
+    name: str,
+    uid: str,
+    keep: set[tuple[str, str]],
+    report: ApplyReport,
+) -> None:
     """Delete children owned by `uid` that are no longer rendered ((kind, name) not in `keep`)."""
     for obj in await list_children(client, resources, namespace, name):
         key = (obj["kind"], obj["metadata"]["name"])

@@ -15,7 +15,15 @@ import hashlib
 
 from k3serve.common.metrics_catalog import BY_NAME
 
-TARGET_LABELS = ("namespace", "pod", "container", "job", "instance", "k3serve_io_deployment", "k3serve_io_role")
+TARGET_LABELS = (
+    "namespace",
+    "pod",
+    "container",
+    "job",
+    "instance",
+    "k3serve_io_deployment",
+    "k3serve_io_role",
+)
 SCOPE = 'namespace=~"$namespace",k3serve_io_deployment=~"$deployment"'
 OPERATOR_SCOPE = 'namespace=~"$namespace"'
 RATE = "[$__rate_interval]"
@@ -49,8 +57,14 @@ def _panel(title: str, unit: str, targets: list[dict], description: str = "") ->
 
 
 def _latency(title: str, metric: str, extra: str = "", scope: str = SCOPE) -> dict:
-    return _panel(title, "s", [_target(_quantile(0.5, metric, scope, extra), "p50"),
-                               _target(_quantile(0.99, metric, scope, extra), "p99")])
+    return _panel(
+        title,
+        "s",
+        [
+            _target(_quantile(0.5, metric, scope, extra), "p50"),
+            _target(_quantile(0.99, metric, scope, extra), "p99"),
+        ],
+    )
 
 
 ROUTER = 'k3serve_io_role="router"'
@@ -64,11 +78,23 @@ def _platform() -> list[dict]:
         _latency("Time to first token (gateway)", "vllm:time_to_first_token_seconds", ROUTER),
         _latency("Inter-token latency (gateway)", "vllm:inter_token_latency_seconds", ROUTER),
         _latency("End-to-end latency (gateway)", "vllm:e2e_request_latency_seconds", ROUTER),
-        _panel("Token throughput", "short", [_target(_rate("vllm:generation_tokens"), "generated tokens/s"),
-                                              _target(_rate("vllm:prompt_tokens"), "prompt tokens/s")]),
-        _panel("Requests by status", "reqps", [_target(_rate("k3serve_router_requests", "status"), "{{status}}")]),
+        _panel(
+            "Token throughput",
+            "short",
+            [
+                _target(_rate("vllm:generation_tokens"), "generated tokens/s"),
+                _target(_rate("vllm:prompt_tokens"), "prompt tokens/s"),
+            ],
+        ),
+        _panel(
+            "Requests by status", "reqps", [_target(_rate("k3serve_router_requests", "status"), "{{status}}")]
+        ),
         _panel("Error ratio (5xx)", "percentunit", [_target(f"{errors} / {requests}", "errors")]),
-        _panel("Healthy workers", "short", [_target(f"sum by (role) ({_m('k3serve_router_workers')})", "{{role}}")]),
+        _panel(
+            "Healthy workers",
+            "short",
+            [_target(f"sum by (role) ({_m('k3serve_router_workers')})", "{{role}}")],
+        ),
         _panel("Retries", "reqps", [_target(_rate("k3serve_router_retries", "reason"), "{{reason}}")]),
     ]
 
@@ -77,32 +103,64 @@ def _cache() -> list[dict]:
     hits = _rate("k3serve_prefix_cache_group_hits_tokens", "group")
     queries = _rate("k3serve_prefix_cache_group_queries_tokens", "group")
     return [
-        _panel("Prefix hit ratio per cache group (MLA vs KDA)", "percentunit",
-               [_target(f"{hits} / {queries}", "{{group}}")],
-               "Tokens hit / tokens queried, per cache group kind."),
-        _panel("Prefix hit ratio (all groups)", "percentunit",
-               [_target(f"{_rate('vllm:prefix_cache_hits')} / {_rate('vllm:prefix_cache_queries')}", "hit ratio")]),
-        _panel("Prefill tokens computed vs skipped", "short",
-               [_target(_rate("k3serve_prefill_tokens_computed"), "computed/s"),
-                _target(_rate("k3serve_prefill_tokens_skipped"), "skipped/s")]),
+        _panel(
+            "Prefix hit ratio per cache group (MLA vs KDA)",
+            "percentunit",
+            [_target(f"{hits} / {queries}", "{{group}}")],
+            "Tokens hit / tokens queried, per cache group kind.",
+        ),
+        _panel(
+            "Prefix hit ratio (all groups)",
+            "percentunit",
+            [
+                _target(
+                    f"{_rate('vllm:prefix_cache_hits')} / {_rate('vllm:prefix_cache_queries')}", "hit ratio"
+                )
+            ],
+        ),
+        _panel(
+            "Prefill tokens computed vs skipped",
+            "short",
+            [
+                _target(_rate("k3serve_prefill_tokens_computed"), "computed/s"),
+                _target(_rate("k3serve_prefill_tokens_skipped"), "skipped/s"),
+            ],
+        ),
         _panel("Mooncake store hits", "short", [_target(_rate("k3serve_kv_store_hits_tokens"), "tokens/s")]),
         _panel("Mooncake store puts", "ops", [_target(_rate("k3serve_kv_store_puts", "kind"), "{{kind}}")]),
-        _panel("KDA snapshots", "ops", [_target(_rate("k3serve_kda_snapshots_stored"), "stored/s"),
-                                        _target(_rate("k3serve_kda_snapshots_evicted"), "evicted/s")]),
-        _panel("Reusable prefix of the chosen worker (router)", "short",
-               [_target(_quantile(0.5, "k3serve_router_prefix_hit_tokens"), "p50"),
-                _target(_quantile(0.9, "k3serve_router_prefix_hit_tokens"), "p90")]),
+        _panel(
+            "KDA snapshots",
+            "ops",
+            [
+                _target(_rate("k3serve_kda_snapshots_stored"), "stored/s"),
+                _target(_rate("k3serve_kda_snapshots_evicted"), "evicted/s"),
+            ],
+        ),
+        _panel(
+            "Reusable prefix of the chosen worker (router)",
+            "short",
+            [
+                _target(_quantile(0.5, "k3serve_router_prefix_hit_tokens"), "p50"),
+                _target(_quantile(0.9, "k3serve_router_prefix_hit_tokens"), "p90"),
+            ],
+        ),
     ]
 
 
 def _transfers() -> list[dict]:
     return [
-        _panel("KV transfer bytes per view", "Bps",
-               [_target(_rate("k3serve_kv_transfer_bytes", "view"), "{{view}}")],
-               "mla pages, kda_conv and kda_ssm state."),
+        _panel(
+            "KV transfer bytes per view",
+            "Bps",
+            [_target(_rate("k3serve_kv_transfer_bytes", "view"), "{{view}}")],
+            "mla pages, kda_conv and kda_ssm state.",
+        ),
         _latency("KV transfer latency", "k3serve_kv_transfer_seconds"),
-        _panel("Transfer fallbacks to recompute", "ops",
-               [_target(_rate("k3serve_kv_transfer_failures", "reason"), "{{reason}}")]),
+        _panel(
+            "Transfer fallbacks to recompute",
+            "ops",
+            [_target(_rate("k3serve_kv_transfer_failures", "reason"), "{{reason}}")],
+        ),
     ]
 
 
@@ -114,9 +172,14 @@ def _workers() -> list[dict]:
     return [
         _panel("Running requests", "short", [_target(per_pod("vllm:num_requests_running"), "{{pod}}")]),
         _panel("Waiting requests", "short", [_target(per_pod("vllm:num_requests_waiting"), "{{pod}}")]),
-        _panel("KV cache usage", "percentunit", [_target(per_pod("vllm:kv_cache_usage_perc", "max"), "{{pod}}")]),
-        _panel("KDA state slots in use", "percentunit",
-               [_target(f"sum by (pod) ({used}) / sum by (pod) ({total})", "{{pod}}")]),
+        _panel(
+            "KV cache usage", "percentunit", [_target(per_pod("vllm:kv_cache_usage_perc", "max"), "{{pod}}")]
+        ),
+        _panel(
+            "KDA state slots in use",
+            "percentunit",
+            [_target(f"sum by (pod) ({used}) / sum by (pod) ({total})", "{{pod}}")],
+        ),
         _panel("Free pages", "short", [_target(per_pod("k3serve_kv_pages_free"), "{{pod}}")]),
         _panel("Preemptions", "ops", [_target(_rate("vllm:num_preemptions", "pod"), "{{pod}}")]),
         _latency("Engine step time", "k3serve_engine_step_seconds"),
@@ -127,12 +190,21 @@ def _workers() -> list[dict]:
 def _operator() -> list[dict]:
     s = OPERATOR_SCOPE
     return [
-        _panel("Reconciles", "ops", [_target(_rate("k3serve_operator_reconciles", "handler, result", s),
-                                             "{{handler}} {{result}}")]),
-        _panel("Reconcile errors", "ops", [_target(_rate("k3serve_operator_reconcile_errors", "handler", s),
-                                                   "{{handler}}")]),
-        _panel("Deployments by condition", "short",
-               [_target(f"sum by (condition) ({_m('k3serve_operator_deployments', scope=s)})", "{{condition}}")]),
+        _panel(
+            "Reconciles",
+            "ops",
+            [_target(_rate("k3serve_operator_reconciles", "handler, result", s), "{{handler}} {{result}}")],
+        ),
+        _panel(
+            "Reconcile errors",
+            "ops",
+            [_target(_rate("k3serve_operator_reconcile_errors", "handler", s), "{{handler}}")],
+        ),
+        _panel(
+            "Deployments by condition",
+            "short",
+            [_target(f"sum by (condition) ({_m('k3serve_operator_deployments', scope=s)})", "{{condition}}")],
+        ),
         _latency("Reconcile time", "k3serve_operator_reconcile_seconds", scope=s),
     ]
 
@@ -149,24 +221,52 @@ _DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
 def _variable(name: str, label: str, query: str, all_value: str = ".*") -> dict:
-    return {"name": name, "label": label, "type": "query", "datasource": _DS,
-            "query": {"query": query, "refId": name}, "definition": query, "refresh": 2,
-            "includeAll": True, "multi": True, "allValue": all_value, "sort": 1,
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": _DS,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "refresh": 2,
+        "includeAll": True,
+        "multi": True,
+        "allValue": all_value,
+        "sort": 1,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+    }
 
 
 def _templating(per_deployment: bool) -> dict:
-    variables = [{"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-                  "current": {}, "hide": 0}]
+    variables = [
+        {
+            "name": "datasource",
+            "label": "Data source",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {},
+            "hide": 0,
+        }
+    ]
     if per_deployment:
-        variables.append(_variable("namespace", "Namespace",
-                                   "label_values(vllm:num_requests_running{}, namespace)"))
-        variables.append(_variable("deployment", "Deployment",
-                                   'label_values(vllm:num_requests_running{namespace=~"$namespace"}, '
-                                   'k3serve_io_deployment)'))
+        variables.append(
+            _variable("namespace", "Namespace", "label_values(vllm:num_requests_running{}, namespace)")
+        )
+        variables.append(
+            _variable(
+                "deployment",
+                "Deployment",
+                'label_values(vllm:num_requests_running{namespace=~"$namespace"}, k3serve_io_deployment)',
+            )
+        )
     else:
-        variables.append(_variable("namespace", "Operator namespace",
-                                   "label_values(k3serve_operator_reconciles_total{}, namespace)"))
+        variables.append(
+            _variable(
+                "namespace",
+                "Operator namespace",
+                "label_values(k3serve_operator_reconciles_total{}, namespace)",
+            )
+        )
     return {"list": variables}
 
 
@@ -180,8 +280,10 @@ def _grafana_panel(index: int, panel: dict) -> dict:
         "datasource": _DS,
         "gridPos": {"x": (index % 2) * 12, "y": (index // 2) * 8, "w": 12, "h": 8},
         "fieldConfig": {"defaults": {"unit": panel["unit"]}, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                    "tooltip": {"mode": "multi", "sort": "desc"}},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
         "targets": targets,
     }
 

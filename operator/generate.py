@@ -3,6 +3,7 @@
 * the CRD (from crd.py) -> charts/k3serve/crds/ and manifests/crd/
 * the Grafana dashboards (from dashboards.py) -> charts/k3serve/dashboards/ and manifests/dashboards/
 * the operator's RBAC rules (from kube.CHILD_RESOURCES) -> charts/k3serve/files/operator-rules.yaml
+* the CR field reference (from the CRD schema) -> the marked section of docs/kubernetes.md
 * the kustomize base's operator objects (`helm template` of the chart, when .tools/helm exists)
   -> manifests/base/operator.yaml
 
@@ -38,8 +39,16 @@ def operator_rules() -> list[dict]:
     """Least-privilege rules of the operator: its own resource, Events, pods (read-only: it grants the
     router pod discovery and Kubernetes refuses to grant what the granter lacks), and each child kind."""
     rules = [
-        {"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "verbs": ["get", "list", "watch", "patch", "update"]},
-        {"apiGroups": [crd.GROUP], "resources": [f"{crd.PLURAL}/status"], "verbs": ["get", "patch", "update"]},
+        {
+            "apiGroups": [crd.GROUP],
+            "resources": [crd.PLURAL],
+            "verbs": ["get", "list", "watch", "patch", "update"],
+        },
+        {
+            "apiGroups": [crd.GROUP],
+            "resources": [f"{crd.PLURAL}/status"],
+            "verbs": ["get", "patch", "update"],
+        },
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     ]
@@ -47,8 +56,13 @@ def operator_rules() -> list[dict]:
     for res in kube.CHILD_RESOURCES:
         groups.setdefault(res.group, []).append(res.plural)
     for group, plurals in groups.items():
-        rules.append({"apiGroups": [group], "resources": sorted(plurals),
-                      "verbs": ["get", "list", "watch", "create", "patch", "delete"]})
+        rules.append(
+            {
+                "apiGroups": [group],
+                "resources": sorted(plurals),
+                "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+            }
+        )
     return rules
 
 
@@ -68,20 +82,89 @@ def helm_binary(root: str) -> str | None:
 def helm_template(root: str, helm: str, *args: str) -> str:
     """`helm template` of charts/k3serve with HOME and XDG dirs in a temporary folder."""
     with tempfile.TemporaryDirectory() as home:
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home, "XDG_CACHE_HOME": f"{home}/cache",
-               "XDG_CONFIG_HOME": f"{home}/config", "XDG_DATA_HOME": f"{home}/data"}
-        out = subprocess.run([helm, "template", *args], cwd=root, env=env, capture_output=True, text=True,
-                             timeout=120)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": home,
+            "XDG_CACHE_HOME": f"{home}/cache",
+            "XDG_CONFIG_HOME": f"{home}/config",
+            "XDG_DATA_HOME": f"{home}/data",
+        }
+        out = subprocess.run(
+            [helm, "template", *args], cwd=root, env=env, capture_output=True, text=True, timeout=120
+        )
     if out.returncode:
         raise RuntimeError(f"helm template failed: {out.stderr}")
     return out.stdout
 
 
 def base_operator_yaml(root: str, helm: str) -> str:
-    rendered = helm_template(root, helm, BASE_RELEASE, "charts/k3serve", "--namespace", BASE_NAMESPACE,
-                             "--set", "dashboards.enabled=false")
-    return (HEADER.format(source=f"`helm template {BASE_RELEASE} charts/k3serve --namespace {BASE_NAMESPACE} "
-                                 f"--set dashboards.enabled=false`") + rendered)
+    rendered = helm_template(
+        root,
+        helm,
+        BASE_RELEASE,
+        "charts/k3serve",
+        "--namespace",
+        BASE_NAMESPACE,
+        "--set",
+        "dashboards.enabled=false",
+    )
+    return (
+        HEADER.format(
+            source=f"`helm template {BASE_RELEASE} charts/k3serve --namespace {BASE_NAMESPACE} "
+            f"--set dashboards.enabled=false`"
+        )
+        + rendered
+    )
+
+
+REFERENCE_BEGIN = "<!-- BEGIN GENERATED: crd-reference (k3serve operator generate) -->"
+REFERENCE_END = "<!-- END GENERATED: crd-reference -->"
+SKIP_BELOW = ("resources", "tolerations", "env")  # documented as one row each (Kubernetes types)
+
+
+def _type(node: dict) -> str:
+    if node.get("x-kubernetes-int-or-string"):
+        return "int or string"
+    if node.get("type") == "array":
+        return f"[]{_type(node['items'])}"
+    if node.get("type") == "object" and "additionalProperties" in node and "properties" not in node:
+        return "map"
+    return node.get("type", "")
+
+
+def crd_reference() -> str:
+    """A Markdown table of every spec field: path, type, default, constraints, description."""
+    rows = ["| field | type | default | allowed | description |", "|---|---|---|---|---|"]
+
+    def walk(node: dict, path: str) -> None:
+        for key, sub in node.get("properties", {}).items():
+            here = f"{path}.{key}" if path else key
+            allowed = []
+            if "enum" in sub:
+                allowed.append(", ".join(f"`{v}`" for v in sub["enum"]))
+            if "minimum" in sub:
+                allowed.append(f"min {sub['minimum']}")
+            if "maximum" in sub:
+                allowed.append(f"max {sub['maximum']}")
+            if "required" in sub:
+                allowed.append("requires " + ", ".join(f"`{r}`" for r in sub["required"]))
+            default = (
+                "" if "default" not in sub or sub["default"] == {} else f"`{json.dumps(sub['default'])}`"
+            )
+            text = sub.get("description", "").replace("|", "\\|")
+            rows.append(f"| `{here}` | {_type(sub)} | {default} | {'; '.join(allowed)} | {text} |")
+            if sub.get("type") == "object" and key not in SKIP_BELOW:
+                walk(sub, here)
+
+    walk(crd.spec_schema(), "")
+    return "\n".join(rows) + "\n"
+
+
+def docs_with_reference(current: str) -> str:
+    """docs/kubernetes.md with its generated section replaced."""
+    head, _, rest = current.partition(REFERENCE_BEGIN)
+    _, _, tail = rest.partition(REFERENCE_END)
+    return f"{head}{REFERENCE_BEGIN}\n{crd_reference()}{REFERENCE_END}{tail}"
 
 
 def expected(root: str) -> dict[str, str]:
@@ -90,6 +173,12 @@ def expected(root: str) -> dict[str, str]:
         f"manifests/crd/{CRD_FILE}": crd_yaml(),
         "charts/k3serve/files/operator-rules.yaml": rules_yaml(),
     }
+    docs = os.path.join(root, "docs", "kubernetes.md")
+    if os.path.exists(docs):
+        with open(docs, encoding="utf-8") as f:
+            current = f.read()
+        if REFERENCE_BEGIN in current and REFERENCE_END in current:
+            files["docs/kubernetes.md"] = docs_with_reference(current)
     for name, board in dashboards.build_all().items():
         files[f"charts/k3serve/dashboards/{name}"] = dashboard_json(board)
         files[f"manifests/dashboards/{name}"] = dashboard_json(board)

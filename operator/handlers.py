@@ -30,11 +30,19 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="k3serve.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="k3serve.io", key="last-handled-configuration")
+        prefix="k3serve.io", key="last-handled-configuration"
+    )
+    # No CRD or namespace watching: the operator needs neither permission (least privilege); our own
+    # CRD is found at start (Helm installs CRDs first) and namespaces are given exactly (-n) or all (-A).
+    settings.scanning.disabled = True
     settings.posting.level = logging.WARNING  # kopf's own chatter stays in the log; our Events are explicit
     memo.reconciler = Reconciler(KubeClient(), SETTINGS)
-    logger.info("k3serve operator: status every %ss, full resync every %ss, default image %s",
-                SETTINGS.status_interval, SETTINGS.resync_interval, SETTINGS.default_image)
+    logger.info(
+        "k3serve operator: status every %ss, full resync every %ss, default image %s",
+        SETTINGS.status_interval,
+        SETTINGS.resync_interval,
+        SETTINGS.default_image,
+    )
 
 
 def _finish(body: kopf.Body, patch: kopf.Patch, outcome: Outcome, handler: str, started: float) -> None:
@@ -57,8 +65,12 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, reason:
     _finish(body, patch, outcome, str(reason), started)
 
 
-@kopf.timer(*RESOURCE, interval=SETTINGS.status_interval, initial_delay=SETTINGS.status_interval,
-            idle=SETTINGS.status_interval / 2)
+@kopf.timer(
+    *RESOURCE,
+    interval=SETTINGS.status_interval,
+    initial_delay=SETTINGS.status_interval,
+    idle=SETTINGS.status_interval / 2,
+)
 async def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_) -> None:
     """Refresh the status from the workloads; every resync interval, a full reconcile that repairs drift."""
     started = time.monotonic()
@@ -78,7 +90,9 @@ async def delete(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_) 
 
 class _DropTimerSuccess(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno <= logging.INFO and str(record.msg).startswith("Timer 'refresh' succeeded"))
+        return not (
+            record.levelno <= logging.INFO and str(record.msg).startswith("Timer 'refresh' succeeded")
+        )
 
 
 def quiet_timer_logs() -> None:

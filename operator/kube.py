@@ -25,7 +25,9 @@ class Resource:
     def group(self) -> str:
         return self.api_version.rpartition("/")[0]
 
-    def path(self, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+    def path(
+        self, namespace: str | None = None, name: str | None = None, subresource: str | None = None
+    ) -> str:
         base = f"/apis/{self.api_version}" if "/" in self.api_version else f"/api/{self.api_version}"
         if self.namespaced and namespace:
             base += f"/namespaces/{namespace}"
@@ -85,14 +87,18 @@ class KubeClient:
         if body is not None:
             headers["Content-Type"] = content_type
         method_, url, headers, body, _ = self.api.param_serialize(
-            method=method, resource_path=path, header_params=headers, body=body, auth_settings=["BearerToken"])
+            method=method, resource_path=path, header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
         response = self.api.call_api(method_, url, header_params=headers, body=body, _request_timeout=30)
         data = response.read()
         text = data.decode() if data else ""
         payload = json.loads(text) if text.strip().startswith(("{", "[")) else {}
         if not 200 <= response.status < 300:
-            raise KubeError(response.status, str(payload.get("reason") or response.reason),
-                            str(payload.get("message") or text[:500]))
+            raise KubeError(
+                response.status,
+                str(payload.get("reason") or response.reason),
+                str(payload.get("message") or text[:500]),
+            )
         return payload
 
     async def _acall(self, method: str, path: str, body=None, content_type: str = "application/json"):
@@ -125,16 +131,22 @@ class KubeClient:
         res = BY_KIND[obj["kind"]] if obj["kind"] in BY_KIND else DEPLOYMENTS
         return await self._acall("POST", res.path(obj["metadata"].get("namespace")), obj)
 
-    async def patch(self, res: Resource, namespace: str, name: str, patch: dict | list,
-                    subresource: str | None = None) -> dict:
-        content_type = "application/json-patch+json" if isinstance(patch, list) else "application/merge-patch+json"
+    async def patch(
+        self, res: Resource, namespace: str, name: str, patch: dict | list, subresource: str | None = None
+    ) -> dict:
+        content_type = (
+            "application/json-patch+json" if isinstance(patch, list) else "application/merge-patch+json"
+        )
         return await self._acall("PATCH", res.path(namespace, name, subresource), patch, content_type)
 
     async def delete(self, res: Resource, namespace: str, name: str) -> bool:
         """True when deleted, False when it was already gone. Dependents are deleted in the background."""
         try:
-            await self._acall("DELETE", res.path(namespace, name),
-                              {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"})
+            await self._acall(
+                "DELETE",
+                res.path(namespace, name),
+                {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+            )
             return True
         except KubeError as e:
             if e.status == 404:
@@ -144,7 +156,9 @@ class KubeClient:
     async def serves(self, res: Resource) -> bool:
         """Whether the API server serves this kind (discovery); used for optional CRDs."""
         try:
-            payload = await self._acall("GET", f"/apis/{res.api_version}" if res.group else f"/api/{res.api_version}")
+            payload = await self._acall(
+                "GET", f"/apis/{res.api_version}" if res.group else f"/api/{res.api_version}"
+            )
         except KubeError as e:
             if e.status in (404, 503):
                 return False

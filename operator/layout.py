@@ -69,9 +69,15 @@ class Plan:
 
 def _pool(spec: dict, pool: str, role: str) -> PoolLayout:
     p = spec[pool]
-    return PoolLayout(pool=pool, role=role, replicas=int(p["replicas"]),
-                      tensor_parallel=int(p["tensorParallelSize"]), data_parallel=int(p["dataParallelSize"]),
-                      expert_parallel=bool(p["expertParallel"]), gpus_per_node=int(p["gpusPerNode"]))
+    return PoolLayout(
+        pool=pool,
+        role=role,
+        replicas=int(p["replicas"]),
+        tensor_parallel=int(p["tensorParallelSize"]),
+        data_parallel=int(p["dataParallelSize"]),
+        expert_parallel=bool(p["expertParallel"]),
+        gpus_per_node=int(p["gpusPerNode"]),
+    )
 
 
 def plan(spec: dict) -> Plan:
@@ -100,18 +106,29 @@ def _heads_rule(pool: str) -> Rule:
     def check(spec: dict) -> str | None:
         tp = int(spec[pool]["tensorParallelSize"])
         arch = spec["model"]["architecture"]
-        bad = [f"{arch[key]} {label} heads" for key, label in (("kdaHeads", "KDA"), ("mlaHeads", "MLA"))
-               if int(arch[key]) % tp]
+        bad = [
+            f"{arch[key]} {label} heads"
+            for key, label in (("kdaHeads", "KDA"), ("mlaHeads", "MLA"))
+            if int(arch[key]) % tp
+        ]
         if not bad:
             return None
         common = math.gcd(int(arch["kdaHeads"]), int(arch["mlaHeads"]))
-        return (f"spec.{pool}.tensorParallelSize {tp} does not divide the model's {' and '.join(bad)}; "
-                f"heads are sharded evenly over tensor-parallel ranks (valid sizes: {_divisors(common)})")
+        return (
+            f"spec.{pool}.tensorParallelSize {tp} does not divide the model's {' and '.join(bad)}; "
+            f"heads are sharded evenly over tensor-parallel ranks (valid sizes: {_divisors(common)})"
+        )
 
-    cel = (f"self.model.architecture.kdaHeads % self.{pool}.tensorParallelSize == 0 && "
-           f"self.model.architecture.mlaHeads % self.{pool}.tensorParallelSize == 0")
-    return Rule(f"{pool}-heads", f"spec.{pool}.tensorParallelSize must divide the model's KDA and MLA "
-                f"head counts", check, cel)
+    cel = (
+        f"self.model.architecture.kdaHeads % self.{pool}.tensorParallelSize == 0 && "
+        f"self.model.architecture.mlaHeads % self.{pool}.tensorParallelSize == 0"
+    )
+    return Rule(
+        f"{pool}-heads",
+        f"spec.{pool}.tensorParallelSize must divide the model's KDA and MLA head counts",
+        check,
+        cel,
+    )
 
 
 def _world(spec: dict, pool: str) -> int:
@@ -123,33 +140,52 @@ def _fits_nodes_rule(pool: str) -> Rule:
         world, gpn = _world(spec, pool), int(spec[pool]["gpusPerNode"])
         if gpn == 0:
             if world != 1:
-                return (f"spec.{pool}: a CPU pool (gpusPerNode 0) runs one rank per pod, but "
-                        f"tensorParallelSize x dataParallelSize is {world}")
+                return (
+                    f"spec.{pool}: a CPU pool (gpusPerNode 0) runs one rank per pod, but "
+                    f"tensorParallelSize x dataParallelSize is {world}"
+                )
             return None
         if world > gpn and world % gpn:
-            return (f"spec.{pool}: {world} ranks per group (tensorParallelSize x dataParallelSize) do not "
-                    f"fill whole {gpn}-GPU nodes; use a multiple of {gpn} or at most {gpn}")
+            return (
+                f"spec.{pool}: {world} ranks per group (tensorParallelSize x dataParallelSize) do not "
+                f"fill whole {gpn}-GPU nodes; use a multiple of {gpn} or at most {gpn}"
+            )
         return None
 
     w = f"(self.{pool}.tensorParallelSize * self.{pool}.dataParallelSize)"
-    cel = (f"self.{pool}.gpusPerNode == 0 ? {w} == 1 : "
-           f"({w} <= self.{pool}.gpusPerNode || {w} % self.{pool}.gpusPerNode == 0)")
-    return Rule(f"{pool}-fits-nodes", f"spec.{pool}: a group's ranks must fit whole nodes (a multiple of "
-                f"gpusPerNode, at most gpusPerNode, or exactly 1 rank on CPU)", check, cel)
+    cel = (
+        f"self.{pool}.gpusPerNode == 0 ? {w} == 1 : "
+        f"({w} <= self.{pool}.gpusPerNode || {w} % self.{pool}.gpusPerNode == 0)"
+    )
+    return Rule(
+        f"{pool}-fits-nodes",
+        f"spec.{pool}: a group's ranks must fit whole nodes (a multiple of "
+        f"gpusPerNode, at most gpusPerNode, or exactly 1 rank on CPU)",
+        check,
+        cel,
+    )
 
 
 def _experts_rule(pool: str) -> Rule:
     def check(spec: dict) -> str | None:
         world, experts = _world(spec, pool), int(spec["model"]["architecture"]["numExperts"])
         if spec[pool]["expertParallel"] and experts % world:
-            return (f"spec.{pool}: expertParallel over {world} ranks needs numExperts divisible by {world}, "
-                    f"but the model has {experts} experts")
+            return (
+                f"spec.{pool}: expertParallel over {world} ranks needs numExperts divisible by {world}, "
+                f"but the model has {experts} experts"
+            )
         return None
 
-    cel = (f"!self.{pool}.expertParallel || self.model.architecture.numExperts % "
-           f"(self.{pool}.tensorParallelSize * self.{pool}.dataParallelSize) == 0")
-    return Rule(f"{pool}-experts", f"spec.{pool}: with expertParallel, the group's rank count must divide "
-                f"numExperts", check, cel)
+    cel = (
+        f"!self.{pool}.expertParallel || self.model.architecture.numExperts % "
+        f"(self.{pool}.tensorParallelSize * self.{pool}.dataParallelSize) == 0"
+    )
+    return Rule(
+        f"{pool}-experts",
+        f"spec.{pool}: with expertParallel, the group's rank count must divide numExperts",
+        check,
+        cel,
+    )
 
 
 def _pd_rule() -> Rule:
@@ -158,15 +194,24 @@ def _pd_rule() -> Rule:
             return None
         p, d = int(spec["prefill"]["tensorParallelSize"]), int(spec["decode"]["tensorParallelSize"])
         if max(p, d) % min(p, d):
-            return (f"prefill tensorParallelSize {p} and decode tensorParallelSize {d} do not divide one "
-                    f"another: KDA recurrent state moves from prefill to decode sliced by heads, so one "
-                    f"side's head shards must be whole multiples of the other's")
+            return (
+                f"prefill tensorParallelSize {p} and decode tensorParallelSize {d} do not divide one "
+                f"another: KDA recurrent state moves from prefill to decode sliced by heads, so one "
+                f"side's head shards must be whole multiples of the other's"
+            )
         return None
 
-    cel = ("self.prefill.replicas == 0 || self.prefill.tensorParallelSize % self.decode.tensorParallelSize == 0"
-           " || self.decode.tensorParallelSize % self.prefill.tensorParallelSize == 0")
-    return Rule("pd-tensor-parallel", "spec.prefill.tensorParallelSize and spec.decode.tensorParallelSize "
-                "must divide one another (KDA state is transferred sliced by heads)", check, cel)
+    cel = (
+        "self.prefill.replicas == 0 || self.prefill.tensorParallelSize % self.decode.tensorParallelSize == 0"
+        " || self.decode.tensorParallelSize % self.prefill.tensorParallelSize == 0"
+    )
+    return Rule(
+        "pd-tensor-parallel",
+        "spec.prefill.tensorParallelSize and spec.decode.tensorParallelSize "
+        "must divide one another (KDA state is transferred sliced by heads)",
+        check,
+        cel,
+    )
 
 
 def _model_source_rule() -> Rule:
@@ -176,15 +221,21 @@ def _model_source_rule() -> Rule:
             return "spec.model: set exactly one of uri or pvc" + (" (both are set)" if has_uri else "")
         return None
 
-    return Rule("model-source", "spec.model: set exactly one of uri or pvc", check,
-                "has(self.model.uri) != has(self.model.pvc)")
+    return Rule(
+        "model-source",
+        "spec.model: set exactly one of uri or pvc",
+        check,
+        "has(self.model.uri) != has(self.model.pvc)",
+    )
 
 
 def _engine_rule() -> Rule:
     def check(spec: dict) -> str | None:
         if spec.get("engine", "native") != "native":
-            return (f"spec.engine {spec['engine']!r} is reserved for a later release; this operator renders "
-                    f"engine 'native' only")
+            return (
+                f"spec.engine {spec['engine']!r} is reserved for a later release; this operator renders "
+                f"engine 'native' only"
+            )
         return None
 
     return Rule("engine", "spec.engine: only native is rendered", check)
@@ -193,16 +244,25 @@ def _engine_rule() -> Rule:
 def _cache_rule() -> Rule:
     def check(spec: dict) -> str | None:
         cache = spec["cache"]
-        block, unit, interval = cache.get("blockSize"), cache.get("prefixMatchUnit"), cache["retentionInterval"]
+        block, unit, interval = (
+            cache.get("blockSize"),
+            cache.get("prefixMatchUnit"),
+            cache["retentionInterval"],
+        )
         if block and unit and int(block) % int(unit):
             return f"spec.cache.prefixMatchUnit {unit} must divide spec.cache.blockSize {block}"
         if block and str(interval) not in ("0", "dense") and int(interval) % int(block):
-            return (f"spec.cache.retentionInterval {interval} must be a multiple of spec.cache.blockSize "
-                    f"{block} (states are kept at block boundaries)")
+            return (
+                f"spec.cache.retentionInterval {interval} must be a multiple of spec.cache.blockSize "
+                f"{block} (states are kept at block boundaries)"
+            )
         return None
 
-    return Rule("cache", "spec.cache: prefixMatchUnit must divide blockSize and retentionInterval must be "
-                "a multiple of it", check)
+    return Rule(
+        "cache",
+        "spec.cache: prefixMatchUnit must divide blockSize and retentionInterval must be a multiple of it",
+        check,
+    )
 
 
 def _only_with_prefill(rule: Rule) -> Rule:
@@ -212,18 +272,21 @@ def _only_with_prefill(rule: Rule) -> Rule:
     return Rule(rule.name, rule.message, rule.check, f"self.prefill.replicas == 0 || ({rule.cel})")
 
 
-RULES: tuple[Rule, ...] = tuple(_only_with_prefill(r) for r in (
-    _model_source_rule(),
-    _engine_rule(),
-    _heads_rule("prefill"),
-    _heads_rule("decode"),
-    _fits_nodes_rule("prefill"),
-    _fits_nodes_rule("decode"),
-    _experts_rule("prefill"),
-    _experts_rule("decode"),
-    _pd_rule(),
-    _cache_rule(),
-))
+RULES: tuple[Rule, ...] = tuple(
+    _only_with_prefill(r)
+    for r in (
+        _model_source_rule(),
+        _engine_rule(),
+        _heads_rule("prefill"),
+        _heads_rule("decode"),
+        _fits_nodes_rule("prefill"),
+        _fits_nodes_rule("decode"),
+        _experts_rule("prefill"),
+        _experts_rule("decode"),
+        _pd_rule(),
+        _cache_rule(),
+    )
+)
 
 
 def problems(name: str, spec: dict) -> list[str]:
@@ -231,8 +294,10 @@ def problems(name: str, spec: dict) -> list[str]:
     Rules about the prefill pool are skipped when it has no replicas (colocated)."""
     out: list[str] = []
     if len(name) > MAX_NAME_LENGTH:
-        out.append(f"metadata.name is {len(name)} characters; at most {MAX_NAME_LENGTH} leave room for the "
-                   f"suffixes of the objects the operator creates")
+        out.append(
+            f"metadata.name is {len(name)} characters; at most {MAX_NAME_LENGTH} leave room for the "
+            f"suffixes of the objects the operator creates"
+        )
     colocated = int(spec["prefill"]["replicas"]) == 0
     for rule in RULES:
         if colocated and rule.name.startswith("prefill-"):

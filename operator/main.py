@@ -1,8 +1,8 @@
 """`k3serve operator`: run the kopf operator, render a CR offline, or regenerate the YAML artifacts.
 
-    k3serve operator run [-A | -n NS ...] [--liveness URL] [--metrics-host H --metrics-port P]
-    k3serve operator render -f CR.yaml [-n NS] [--lws] [--no-podmonitor]   # like `helm template`
-    k3serve operator generate [--check]                                  # CRD, dashboards, RBAC files
+k3serve operator run [-A | -n NS ...] [--liveness URL] [--metrics-host H --metrics-port P]
+k3serve operator render -f CR.yaml [-n NS] [--lws] [--no-podmonitor]   # like `helm template`
+k3serve operator generate [--check]                                  # CRD, dashboards, RBAC files
 """
 
 from __future__ import annotations
@@ -20,20 +20,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     run = sub.add_parser("run", help="run the operator (kopf) against the current cluster")
     scope = run.add_mutually_exclusive_group()
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    scope.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
-    run.add_argument("--liveness", default="", help="kopf liveness endpoint, e.g. http://127.0.0.1:8080/healthz")
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
+    )
+    run.add_argument(
+        "--liveness", default="", help="kopf liveness endpoint, e.g. http://127.0.0.1:8080/healthz"
+    )
     run.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics endpoint")
     run.add_argument("--metrics-port", type=int, default=9100, help="port of /metrics (0: off)")
     run.add_argument("--status-interval", type=float, default=10.0, help="seconds between status refreshes")
-    run.add_argument("--resync-interval", type=float, default=60.0,
-                     help="seconds between full reconciles (drift repair of every child)")
+    run.add_argument(
+        "--resync-interval",
+        type=float,
+        default=60.0,
+        help="seconds between full reconciles (drift repair of every child)",
+    )
     run.add_argument("--default-image", default=DEFAULT_IMAGE, help="image for CRs without spec.image")
     run.add_argument("--cluster-domain", default="cluster.local")
     run.add_argument("-v", "--verbose", action="store_true")
 
     render = sub.add_parser("render", help="print the objects a KimiK3Deployment renders to (no cluster)")
     render.add_argument("-f", "--filename", required=True, help="CR YAML file ('-' for stdin)")
-    render.add_argument("-n", "--namespace", default="", help="namespace when the CR names none (default: default)")
+    render.add_argument(
+        "-n", "--namespace", default="", help="namespace when the CR names none (default: default)"
+    )
     render.add_argument("--lws", action="store_true", help="render multi-node groups as LeaderWorkerSets")
     render.add_argument("--no-podmonitor", action="store_true", help="the cluster lacks the PodMonitor CRD")
     render.add_argument("--default-image", default=DEFAULT_IMAGE)
@@ -58,13 +68,19 @@ def _run(args: argparse.Namespace) -> int:
 
     from k3serve.operator import handlers
 
-    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.FULL if args.verbose else kopf.LogFormat.PLAIN)
+    kopf.configure(
+        verbose=args.verbose, log_format=kopf.LogFormat.FULL if args.verbose else kopf.LogFormat.PLAIN
+    )
     if not args.verbose:
         handlers.quiet_timer_logs()
     if args.metrics_port:
         handlers.METRICS.serve(args.metrics_host, args.metrics_port)
-    kopf.run(standalone=True, clusterwide=args.all_namespaces or not args.namespace,
-             namespaces=args.namespace, liveness_endpoint=args.liveness or None)
+    kopf.run(
+        standalone=True,
+        clusterwide=args.all_namespaces or not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
     return 0
 
 
@@ -76,8 +92,12 @@ def _render(args: argparse.Namespace) -> int:
     from k3serve.operator.render_context import RenderOptions
 
     text = sys.stdin.read() if args.filename == "-" else open(args.filename, encoding="utf-8").read()
-    options = RenderOptions(lws=args.lws, podmonitor=not args.no_podmonitor, default_image=args.default_image,
-                            cluster_domain=args.cluster_domain)
+    options = RenderOptions(
+        lws=args.lws,
+        podmonitor=not args.no_podmonitor,
+        default_image=args.default_image,
+        cluster_domain=args.cluster_domain,
+    )
     objects, failed = [], False
     for doc in yaml.safe_load_all(text):
         if not doc or doc.get("kind") != crd.KIND:

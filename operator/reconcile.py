@@ -85,8 +85,13 @@ class Reconciler:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         async with self.lock(namespace, name):
-            due = time.monotonic() - self._last_full.get((namespace, name), -1e18) >= self.settings.resync_interval
-            failed = any(c.get("reason") == "ApplyFailed" for c in (body.get("status") or {}).get("conditions") or [])
+            due = (
+                time.monotonic() - self._last_full.get((namespace, name), -1e18)
+                >= self.settings.resync_interval
+            )
+            failed = any(
+                c.get("reason") == "ApplyFailed" for c in (body.get("status") or {}).get("conditions") or []
+            )
             if due or failed:
                 return await self._reconcile(body, namespace, name)
             return await self._refresh(body, namespace, name)
@@ -131,20 +136,32 @@ class Reconciler:
         if rendered.problems:
             return self._unservable(rendered, previous, generation)
 
-        events = [Event("Warning", "PodMonitorUnavailable", note) for note in rendered.notes
-                  if previous.get("observedGeneration") != generation]
+        events = [
+            Event("Warning", "PodMonitorUnavailable", note)
+            for note in rendered.notes
+            if previous.get("observedGeneration") != generation
+        ]
         report = applier.ApplyReport()
         live: dict[tuple[str, str], dict] = {}
         try:
             for obj in rendered.objects:
-                live[(obj["kind"], obj["metadata"]["name"])] = await applier.apply_one(self.client, obj, report)
+                live[(obj["kind"], obj["metadata"]["name"])] = await applier.apply_one(
+                    self.client, obj, report
+                )
             keep = {(o["kind"], o["metadata"]["name"]) for o in rendered.objects}
-            await applier.prune(self.client, self.features.resources(), namespace, name, meta["uid"], keep, report)
+            await applier.prune(
+                self.client, self.features.resources(), namespace, name, meta["uid"], keep, report
+            )
         except kube.KubeError as e:
             message = f"applying {report.summary()} then failed: {e}"
             status = degraded_status(previous, generation, "ApplyFailed", message)
-            return Outcome(merge_patch(previous, status, None), [Event("Warning", "ApplyFailed", message)],
-                           "error", "Degraded", error=message)
+            return Outcome(
+                merge_patch(previous, status, None),
+                [Event("Warning", "ApplyFailed", message)],
+                "error",
+                "Degraded",
+                error=message,
+            )
 
         if report.created or report.patched:
             events.append(Event("Normal", "Applied", report.summary()))
@@ -163,7 +180,9 @@ class Reconciler:
         async with self.lock(namespace, name):
             for obj in await applier.list_children(self.client, self.features.resources(), namespace, name):
                 if not applier.owned_by(obj, uid):
-                    if await self.client.delete(kube.BY_KIND[obj["kind"]], namespace, obj["metadata"]["name"]):
+                    if await self.client.delete(
+                        kube.BY_KIND[obj["kind"]], namespace, obj["metadata"]["name"]
+                    ):
                         deleted.append(applier.ref(obj))
         self._locks.pop((namespace, name), None)
         self._last_full.pop((namespace, name), None)

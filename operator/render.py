@@ -24,8 +24,19 @@ from k3serve.operator.render_services import render_kvstore, render_router
 from k3serve.operator.render_workers import leader_selector, render_pool
 from k3serve.operator.schema_defaults import apply_defaults
 
-KIND_ORDER = ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "StatefulSet", "LeaderWorkerSet",
-              "Deployment", "PodDisruptionBudget", "NetworkPolicy", "PodMonitor"]
+KIND_ORDER = [
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "ConfigMap",
+    "Service",
+    "StatefulSet",
+    "LeaderWorkerSet",
+    "Deployment",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "PodMonitor",
+]
 
 
 @dataclass
@@ -45,8 +56,14 @@ def default_spec(spec: dict) -> dict:
 
 def owner_reference(cr: dict) -> dict:
     meta = cr["metadata"]
-    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": meta["name"], "uid": meta["uid"],
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def render(cr: dict, options: RenderOptions | None = None) -> Rendered:
@@ -77,8 +94,10 @@ def render(cr: dict, options: RenderOptions | None = None) -> Rendered:
         if options.podmonitor:
             objects.append(pod_monitor(ctx))
         else:
-            notes.append("monitoring.podMonitor is set but the PodMonitor CRD (monitoring.coreos.com/v1) is not "
-                         "installed; no PodMonitor was created")
+            notes.append(
+                "monitoring.podMonitor is set but the PodMonitor CRD (monitoring.coreos.com/v1) is not "
+                "installed; no PodMonitor was created"
+            )
     if spec["monitoring"]["dashboards"]:
         objects.append(dashboards_config_map(ctx))
 
@@ -87,6 +106,12 @@ def render(cr: dict, options: RenderOptions | None = None) -> Rendered:
         for obj in objects:
             obj["metadata"]["ownerReferences"] = [dict(ref)]
     objects.sort(key=lambda o: (KIND_ORDER.index(o["kind"]), o["metadata"]["name"]))
-    return Rendered(objects=objects, problems=[], notes=notes, spec=spec, plan=plan,
-                    config_hash=config_hash(canonical_json(ctx.config)),
-                    decode_selector=n.selector_string(leader_selector(ctx, plan.decode)))
+    return Rendered(
+        objects=objects,
+        problems=[],
+        notes=notes,
+        spec=spec,
+        plan=plan,
+        config_hash=config_hash(canonical_json(ctx.config)),
+        decode_selector=n.selector_string(leader_selector(ctx, plan.decode)),
+    )

@@ -45,7 +45,8 @@ class Context:
     def kv_store_address(self) -> str | None:
         if not self.spec["kvStore"]["enabled"]:
             return None
-        return f"{n.child(self.name, 'kvstore')}.{self.namespace}.svc.{self.options.cluster_domain}:{n.STORE_RPC_PORT}"
+        host = self.service_host(n.child(self.name, "kvstore"))
+        return f"{host}:{n.STORE_RPC_PORT}"
 
     def service_host(self, service: str) -> str:
         return f"{service}.{self.namespace}.svc.{self.options.cluster_domain}"

@@ -31,9 +31,14 @@ def container_security_context() -> dict:
 
 def health_probes(*, startup_failures: int) -> dict:
     """startup, readiness and liveness probes, all on GET /health of the metrics port."""
+
     def probe(period: int, failures: int, timeout: int = 3) -> dict:
-        return {"httpGet": {"path": "/health", "port": "metrics"}, "periodSeconds": period,
-                "failureThreshold": failures, "timeoutSeconds": timeout}
+        return {
+            "httpGet": {"path": "/health", "port": "metrics"},
+            "periodSeconds": period,
+            "failureThreshold": failures,
+            "timeoutSeconds": timeout,
+        }
 
     return {
         "startupProbe": probe(10, startup_failures),
@@ -44,6 +49,7 @@ def health_probes(*, startup_failures: int) -> dict:
 
 def downward_env(name: str, component: str) -> list[dict]:
     """Identity of the pod; K3SERVE_POD_IP comes first so later values can use $(K3SERVE_POD_IP)."""
+
     def field(var: str, path: str) -> dict:
         return {"name": var, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
@@ -61,8 +67,9 @@ def merge_env(base: list[dict], extra: list[dict] | None) -> list[dict]:
     """`base` with user variables appended; a user variable replaces a base one of the same name."""
     extra = extra or []
     names = {e["name"] for e in extra}
-    return [e for e in base if e["name"] not in names] + [{"name": e["name"], "value": e.get("value", "")}
-                                                          for e in extra]
+    return [e for e in base if e["name"] not in names] + [
+        {"name": e["name"], "value": e.get("value", "")} for e in extra
+    ]
 
 
 def writable_volumes(*, shm_size: str | None = None) -> tuple[list[dict], list[dict]]:
@@ -81,9 +88,17 @@ def config_volume(config_map: str, key: str) -> tuple[dict, dict]:
     return volume, {"name": "config", "mountPath": n.CONFIG_DIR, "readOnly": True}
 
 
-def pod_spec(*, service_account: str, containers: list[dict], volumes: list[dict], image_pull_secrets: list[str],
-             grace_seconds: int, automount_token: bool, node_selector: dict | None = None,
-             tolerations: list | None = None) -> dict:
+def pod_spec(
+    *,
+    service_account: str,
+    containers: list[dict],
+    volumes: list[dict],
+    image_pull_secrets: list[str],
+    grace_seconds: int,
+    automount_token: bool,
+    node_selector: dict | None = None,
+    tolerations: list | None = None,
+) -> dict:
     spec: dict = {
         "serviceAccountName": service_account,
         "automountServiceAccountToken": automount_token,

@@ -21,12 +21,25 @@ def _meta(ctx: Context, name: str, component: str) -> dict:
 
 def router_args(ctx: Context) -> list[str]:
     plan = ctx.plan
-    args = ["router", "--host", "$(K3SERVE_POD_IP)", "--port", str(n.ROUTER_PORT),
-            "--metrics-port", str(n.METRICS_PORT), "--discovery", "kubernetes"]
+    args = [
+        "router",
+        "--host",
+        "$(K3SERVE_POD_IP)",
+        "--port",
+        str(n.ROUTER_PORT),
+        "--metrics-port",
+        str(n.METRICS_PORT),
+        "--discovery",
+        "kubernetes",
+    ]
     if plan.prefill is not None:
         args += ["--prefill-selector", n.selector_string(leader_selector(ctx, plan.prefill))]
-    args += ["--decode-selector", n.selector_string(leader_selector(ctx, plan.decode)),
-             "--policy", ctx.spec["router"]["policy"]]
+    args += [
+        "--decode-selector",
+        n.selector_string(leader_selector(ctx, plan.decode)),
+        "--policy",
+        ctx.spec["router"]["policy"],
+    ]
     ref = ctx.spec["router"].get("apiKeySecretRef")
     if ref:
         args += ["--api-key-file", f"{n.API_KEY_DIR}/{ref.get('key', 'api-key')}"]
@@ -36,10 +49,16 @@ def router_args(ctx: Context) -> list[str]:
 def render_router(ctx: Context) -> list[dict]:
     spec, router = ctx.spec, ctx.spec["router"]
     name = n.child(ctx.name, "router")
-    chash = ctx.add_config("router.json", {
-        "deployment": ctx.name, "namespace": ctx.namespace, "policy": router["policy"],
-        "servedModelName": spec["model"]["name"], "args": router_args(ctx),
-    })
+    chash = ctx.add_config(
+        "router.json",
+        {
+            "deployment": ctx.name,
+            "namespace": ctx.namespace,
+            "policy": router["policy"],
+            "servedModelName": spec["model"]["name"],
+            "args": router_args(ctx),
+        },
+    )
     volumes, mounts = writable_volumes()
     cfg_volume, cfg_mount = config_volume(ctx.config_map, "router.json")
     volumes.append(cfg_volume)
@@ -47,18 +66,30 @@ def render_router(ctx: Context) -> list[dict]:
     ref = router.get("apiKeySecretRef")
     if ref:
         key = ref.get("key", "api-key")
-        volumes.append({"name": "api-key", "secret": {"secretName": ref["name"], "defaultMode": 0o440,
-                                                      "items": [{"key": key, "path": key}]}})
+        volumes.append(
+            {
+                "name": "api-key",
+                "secret": {
+                    "secretName": ref["name"],
+                    "defaultMode": 0o440,
+                    "items": [{"key": key, "path": key}],
+                },
+            }
+        )
         mounts.append({"name": "api-key", "mountPath": n.API_KEY_DIR, "readOnly": True})
     env = downward_env(ctx.name, "router") + [
         {"name": "K3SERVE_CONFIG", "value": f"{n.CONFIG_DIR}/router.json"},
         {"name": "K3SERVE_SERVED_MODEL_NAME", "value": spec["model"]["name"]},
     ]
     container = {
-        "name": "router", "image": ctx.image, "imagePullPolicy": spec["imagePullPolicy"],
+        "name": "router",
+        "image": ctx.image,
+        "imagePullPolicy": spec["imagePullPolicy"],
         "args": router_args(ctx),
-        "ports": [{"name": "http", "containerPort": n.ROUTER_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": n.ROUTER_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"},
+        ],
         "env": env,
         "resources": {k: dict(v) for k, v in (router.get("resources") or {}).items() if v},
         "volumeMounts": mounts,
@@ -67,23 +98,38 @@ def render_router(ctx: Context) -> list[dict]:
     }
     sel = n.selector(ctx.name, "router")
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(ctx, name, "router"),
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(ctx, name, "router"),
         "spec": {
             "replicas": router["replicas"],
             "selector": {"matchLabels": sel},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": n.labels(ctx.name, "router"), "annotations": {n.ANN_CONFIG_HASH: chash}},
-                "spec": pod_spec(service_account=name, containers=[container], volumes=volumes,
-                                 image_pull_secrets=spec.get("imagePullSecrets") or [], grace_seconds=30,
-                                 automount_token=True),
+                "metadata": {
+                    "labels": n.labels(ctx.name, "router"),
+                    "annotations": {n.ANN_CONFIG_HASH: chash},
+                },
+                "spec": pod_spec(
+                    service_account=name,
+                    containers=[container],
+                    volumes=volumes,
+                    image_pull_secrets=spec.get("imagePullSecrets") or [],
+                    grace_seconds=30,
+                    automount_token=True,
+                ),
             },
         },
     }
     service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(ctx, name, "router"),
-        "spec": {"type": router["serviceType"], "selector": sel,
-                 "ports": [{"name": "http", "port": router["port"], "targetPort": "http", "protocol": "TCP"}]},
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ctx, name, "router"),
+        "spec": {
+            "type": router["serviceType"],
+            "selector": sel,
+            "ports": [{"name": "http", "port": router["port"], "targetPort": "http", "protocol": "TCP"}],
+        },
     }
     return [*router_rbac(ctx, name), deployment, service]
 
@@ -92,38 +138,63 @@ def router_rbac(ctx: Context, name: str) -> list[dict]:
     """The router discovers workers by label selector: it may read pods in its namespace, nothing else."""
     meta = _meta(ctx, name, "router")
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": True},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}]},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": meta,
+            "automountServiceAccountToken": True,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
+        },
     ]
 
 
 def kvstore_args() -> list[str]:
-    return ["--rpc_address=$(K3SERVE_POD_IP)", f"--rpc_port={n.STORE_RPC_PORT}",
-            "--enable_http_metadata_server=false",
-            "--metrics_host=$(K3SERVE_POD_IP)", f"--metrics_port={n.METRICS_PORT}",
-            "--eviction_high_watermark_ratio=0.9", "--eviction_ratio=0.1",
-            "--default_kv_lease_ttl=5000", "--logtostderr"]
+    return [
+        "--rpc_address=$(K3SERVE_POD_IP)",
+        f"--rpc_port={n.STORE_RPC_PORT}",
+        "--enable_http_metadata_server=false",
+        "--metrics_host=$(K3SERVE_POD_IP)",
+        f"--metrics_port={n.METRICS_PORT}",
+        "--eviction_high_watermark_ratio=0.9",
+        "--eviction_ratio=0.1",
+        "--default_kv_lease_ttl=5000",
+        "--logtostderr",
+    ]
 
 
 def render_kvstore(ctx: Context) -> list[dict]:
     if not ctx.spec["kvStore"]["enabled"]:
         return []
     name = n.child(ctx.name, "kvstore")
-    chash = ctx.add_config("kvstore.json", {"deployment": ctx.name, "command": ["mooncake_master"],
-                                            "args": kvstore_args()})
+    chash = ctx.add_config(
+        "kvstore.json", {"deployment": ctx.name, "command": ["mooncake_master"], "args": kvstore_args()}
+    )
     volumes, mounts = writable_volumes()
     cfg_volume, cfg_mount = config_volume(ctx.config_map, "kvstore.json")
     volumes.append(cfg_volume)
     mounts.append(cfg_mount)
     container = {
-        "name": "mooncake-master", "image": ctx.image, "imagePullPolicy": ctx.spec["imagePullPolicy"],
-        "command": ["mooncake_master"], "args": kvstore_args(),
-        "ports": [{"name": "rpc", "containerPort": n.STORE_RPC_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"}],
+        "name": "mooncake-master",
+        "image": ctx.image,
+        "imagePullPolicy": ctx.spec["imagePullPolicy"],
+        "command": ["mooncake_master"],
+        "args": kvstore_args(),
+        "ports": [
+            {"name": "rpc", "containerPort": n.STORE_RPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"},
+        ],
         "env": downward_env(ctx.name, "kvstore"),
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "volumeMounts": mounts,
@@ -132,22 +203,36 @@ def render_kvstore(ctx: Context) -> list[dict]:
     }
     sel = n.selector(ctx.name, "kvstore")
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(ctx, name, "kvstore"),
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(ctx, name, "kvstore"),
         "spec": {
             "replicas": 1,
             "selector": {"matchLabels": sel},
             "strategy": {"type": "Recreate"},
             "template": {
-                "metadata": {"labels": n.labels(ctx.name, "kvstore"), "annotations": {n.ANN_CONFIG_HASH: chash}},
-                "spec": pod_spec(service_account=n.child(ctx.name, "worker"), containers=[container],
-                                 volumes=volumes, image_pull_secrets=ctx.spec.get("imagePullSecrets") or [],
-                                 grace_seconds=30, automount_token=False),
+                "metadata": {
+                    "labels": n.labels(ctx.name, "kvstore"),
+                    "annotations": {n.ANN_CONFIG_HASH: chash},
+                },
+                "spec": pod_spec(
+                    service_account=n.child(ctx.name, "worker"),
+                    containers=[container],
+                    volumes=volumes,
+                    image_pull_secrets=ctx.spec.get("imagePullSecrets") or [],
+                    grace_seconds=30,
+                    automount_token=False,
+                ),
             },
         },
     }
     service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(ctx, name, "kvstore"),
-        "spec": {"selector": sel,
-                 "ports": [{"name": "rpc", "port": n.STORE_RPC_PORT, "targetPort": "rpc", "protocol": "TCP"}]},
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ctx, name, "kvstore"),
+        "spec": {
+            "selector": sel,
+            "ports": [{"name": "rpc", "port": n.STORE_RPC_PORT, "targetPort": "rpc", "protocol": "TCP"}],
+        },
     }
     return [deployment, service]

@@ -59,9 +59,23 @@ def cache_args(cache: dict) -> list[str]:
 
 
 def worker_args(ctx: Context, pool: PoolLayout) -> list[str]:
-    args = ["worker", "--role", pool.role, "--model", model_arg(ctx.spec), "--host", "$(K3SERVE_POD_IP)",
-            "--grpc-port", str(n.GRPC_PORT), "--metrics-port", str(n.METRICS_PORT),
-            "--tensor-parallel-size", str(pool.tensor_parallel), "--data-parallel-size", str(pool.data_parallel)]
+    args = [
+        "worker",
+        "--role",
+        pool.role,
+        "--model",
+        model_arg(ctx.spec),
+        "--host",
+        "$(K3SERVE_POD_IP)",
+        "--grpc-port",
+        str(n.GRPC_PORT),
+        "--metrics-port",
+        str(n.METRICS_PORT),
+        "--tensor-parallel-size",
+        str(pool.tensor_parallel),
+        "--data-parallel-size",
+        str(pool.data_parallel),
+    ]
     if pool.expert_parallel:
         args.append("--expert-parallel")
     if ctx.kv_store_address:
@@ -86,23 +100,38 @@ def _placement_env(ctx: Context, pool: PoolLayout, group_object: str | None) -> 
     domain = ctx.options.cluster_domain
     env = [{"name": "K3SERVE_NUM_NODES", "value": str(pool.nodes_per_group)}]
     if not pool.multi_node:
-        return env + [{"name": "K3SERVE_NODE_RANK", "value": "0"},
-                      {"name": "K3SERVE_LEADER_ADDR", "value": "$(K3SERVE_POD_IP)"}]
+        return env + [
+            {"name": "K3SERVE_NODE_RANK", "value": "0"},
+            {"name": "K3SERVE_LEADER_ADDR", "value": "$(K3SERVE_POD_IP)"},
+        ]
     if uses_lws(ctx, pool):
         lws = n.child(ctx.name, pool.pool)
         return env + [
-            {"name": "K3SERVE_NODE_RANK",
-             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.LABEL_LWS_WORKER_INDEX}']"}}},
-            {"name": "K3SERVE_GROUP_INDEX",
-             "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"}}},
-            {"name": "K3SERVE_LEADER_ADDR",
-             "value": f"{lws}-$(K3SERVE_GROUP_INDEX).{lws}.{ctx.namespace}.svc.{domain}"},
+            {
+                "name": "K3SERVE_NODE_RANK",
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.LABEL_LWS_WORKER_INDEX}']"}},
+            },
+            {
+                "name": "K3SERVE_GROUP_INDEX",
+                "valueFrom": {
+                    "fieldRef": {"fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"}
+                },
+            },
+            {
+                "name": "K3SERVE_LEADER_ADDR",
+                "value": f"{lws}-$(K3SERVE_GROUP_INDEX).{lws}.{ctx.namespace}.svc.{domain}",
+            },
         ]
     assert group_object is not None
     return env + [
-        {"name": "K3SERVE_NODE_RANK",
-         "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.LABEL_STS_POD_INDEX}']"}}},
-        {"name": "K3SERVE_LEADER_ADDR", "value": f"{group_object}-0.{group_object}.{ctx.namespace}.svc.{domain}"},
+        {
+            "name": "K3SERVE_NODE_RANK",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.LABEL_STS_POD_INDEX}']"}},
+        },
+        {
+            "name": "K3SERVE_LEADER_ADDR",
+            "value": f"{group_object}-0.{group_object}.{ctx.namespace}.svc.{domain}",
+        },
     ]
 
 
@@ -114,8 +143,9 @@ def _resources(pool_spec: dict, pool: PoolLayout) -> dict:
     return res
 
 
-def _pod_template(ctx: Context, pool: PoolLayout, group_labels: dict[str, str], group_object: str | None,
-                  config_hash: str) -> dict:
+def _pod_template(
+    ctx: Context, pool: PoolLayout, group_labels: dict[str, str], group_object: str | None, config_hash: str
+) -> dict:
     spec = ctx.spec
     pool_spec = spec[pool.pool]
     env = downward_env(ctx.name, pool.pool) + [
@@ -126,24 +156,34 @@ def _pod_template(ctx: Context, pool: PoolLayout, group_labels: dict[str, str], 
         {"name": "UCX_MEM_EVENTS", "value": "no"},
     ]
     if ctx.kv_store_address:
-        env += [{"name": "K3SERVE_KV_STORE_SEGMENT_BYTES",
-                 "value": str(quantity.to_bytes(spec["kvStore"]["memory"]))},
-                {"name": "MC_TCP_BIND_ADDRESS", "value": "$(K3SERVE_POD_IP)"}]
+        env += [
+            {
+                "name": "K3SERVE_KV_STORE_SEGMENT_BYTES",
+                "value": str(quantity.to_bytes(spec["kvStore"]["memory"])),
+            },
+            {"name": "MC_TCP_BIND_ADDRESS", "value": "$(K3SERVE_POD_IP)"},
+        ]
     volumes, mounts = writable_volumes(shm_size=str(pool_spec["shmSize"]))
     cfg_volume, cfg_mount = config_volume(ctx.config_map, f"{pool.pool}.json")
     volumes.append(cfg_volume)
     mounts.append(cfg_mount)
     if spec["model"].get("pvc"):
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": spec["model"]["pvc"]["claimName"], "readOnly": True}})
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": spec["model"]["pvc"]["claimName"], "readOnly": True},
+            }
+        )
         mounts.append({"name": "model", "mountPath": n.MODEL_DIR, "readOnly": True})
     container = {
         "name": "worker",
         "image": ctx.image,
         "imagePullPolicy": spec["imagePullPolicy"],
         "args": worker_args(ctx, pool),
-        "ports": [{"name": "grpc", "containerPort": n.GRPC_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "grpc", "containerPort": n.GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"},
+        ],
         "env": merge_env(env, pool_spec.get("env")),
         "resources": _resources(pool_spec, pool),
         "volumeMounts": mounts,
@@ -151,33 +191,46 @@ def _pod_template(ctx: Context, pool: PoolLayout, group_labels: dict[str, str], 
         **health_probes(startup_failures=360),
     }
     return {
-        "metadata": {"labels": {**n.labels(ctx.name, pool.pool), **group_labels},
-                     "annotations": {n.ANN_CONFIG_HASH: config_hash}},
-        "spec": pod_spec(service_account=n.child(ctx.name, "worker"), containers=[container], volumes=volumes,
-                         image_pull_secrets=spec.get("imagePullSecrets") or [], grace_seconds=120,
-                         automount_token=False, node_selector=pool_spec.get("nodeSelector"),
-                         tolerations=pool_spec.get("tolerations")),
+        "metadata": {
+            "labels": {**n.labels(ctx.name, pool.pool), **group_labels},
+            "annotations": {n.ANN_CONFIG_HASH: config_hash},
+        },
+        "spec": pod_spec(
+            service_account=n.child(ctx.name, "worker"),
+            containers=[container],
+            volumes=volumes,
+            image_pull_secrets=spec.get("imagePullSecrets") or [],
+            grace_seconds=120,
+            automount_token=False,
+            node_selector=pool_spec.get("nodeSelector"),
+            tolerations=pool_spec.get("tolerations"),
+        ),
     }
 
 
 def _headless_service(ctx: Context, name: str, pool: PoolLayout, sel: dict[str, str]) -> dict:
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": {"name": name, "namespace": ctx.namespace, "labels": n.labels(ctx.name, pool.pool)},
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": sel,
-            "ports": [{"name": "grpc", "port": n.GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
-                      {"name": "metrics", "port": n.METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
+            "ports": [
+                {"name": "grpc", "port": n.GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+                {"name": "metrics", "port": n.METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+            ],
         },
     }
 
 
-def _statefulset(ctx: Context, name: str, pool: PoolLayout, replicas: int, sel: dict[str, str],
-                 template: dict) -> dict:
+def _statefulset(
+    ctx: Context, name: str, pool: PoolLayout, replicas: int, sel: dict[str, str], template: dict
+) -> dict:
     return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
         "metadata": {"name": name, "namespace": ctx.namespace, "labels": n.labels(ctx.name, pool.pool)},
         "spec": {
             "serviceName": name,
@@ -192,7 +245,8 @@ def _statefulset(ctx: Context, name: str, pool: PoolLayout, replicas: int, sel: 
 
 def _leaderworkerset(ctx: Context, name: str, pool: PoolLayout, template: dict) -> dict:
     return {
-        "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
         "metadata": {"name": name, "namespace": ctx.namespace, "labels": n.labels(ctx.name, pool.pool)},
         "spec": {
             "replicas": pool.replicas,
@@ -202,8 +256,10 @@ def _leaderworkerset(ctx: Context, name: str, pool: PoolLayout, template: dict) 
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "workerTemplate": template,
             },
-            "rolloutStrategy": {"type": "RollingUpdate",
-                                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+            },
         },
     }
 
@@ -216,14 +272,24 @@ def worker_config(ctx: Context, pool: PoolLayout) -> dict:
         "pool": pool.pool,
         "role": pool.role,
         "model": ctx.spec["model"],
-        "layout": {"replicas": pool.replicas, "tensorParallelSize": pool.tensor_parallel,
-                   "dataParallelSize": pool.data_parallel, "expertParallel": pool.expert_parallel,
-                   "ranksPerGroup": pool.world, "nodesPerGroup": pool.nodes_per_group,
-                   "gpusPerPod": pool.gpus_per_pod},
+        "layout": {
+            "replicas": pool.replicas,
+            "tensorParallelSize": pool.tensor_parallel,
+            "dataParallelSize": pool.data_parallel,
+            "expertParallel": pool.expert_parallel,
+            "ranksPerGroup": pool.world,
+            "nodesPerGroup": pool.nodes_per_group,
+            "gpusPerPod": pool.gpus_per_pod,
+        },
         "cache": ctx.spec["cache"],
-        "kvStore": ({"address": ctx.kv_store_address,
-                     "segmentBytes": quantity.to_bytes(ctx.spec["kvStore"]["memory"])}
-                    if ctx.kv_store_address else None),
+        "kvStore": (
+            {
+                "address": ctx.kv_store_address,
+                "segmentBytes": quantity.to_bytes(ctx.spec["kvStore"]["memory"]),
+            }
+            if ctx.kv_store_address
+            else None
+        ),
         "args": worker_args(ctx, pool),
     }
 
@@ -235,7 +301,10 @@ def render_pool(ctx: Context, pool: PoolLayout) -> list[dict]:
     sel = n.selector(ctx.name, pool.pool)
     if not pool.multi_node:
         template = _pod_template(ctx, pool, {}, None, chash)
-        return [_headless_service(ctx, base, pool, sel), _statefulset(ctx, base, pool, pool.replicas, sel, template)]
+        return [
+            _headless_service(ctx, base, pool, sel),
+            _statefulset(ctx, base, pool, pool.replicas, sel, template),
+        ]
     if uses_lws(ctx, pool):
         return [_leaderworkerset(ctx, base, pool, _pod_template(ctx, pool, {}, None, chash))]
     out: list[dict] = []
@@ -243,6 +312,8 @@ def render_pool(ctx: Context, pool: PoolLayout) -> list[dict]:
         name = n.child(base, group)
         group_sel = {**sel, n.LABEL_GROUP: str(group)}
         template = _pod_template(ctx, pool, {n.LABEL_GROUP: str(group)}, name, chash)
-        out += [_headless_service(ctx, name, pool, group_sel),
-                _statefulset(ctx, name, pool, pool.nodes_per_group, group_sel, template)]
+        out += [
+            _headless_service(ctx, name, pool, group_sel),
+            _statefulset(ctx, name, pool, pool.nodes_per_group, group_sel, template),
+        ]
     return out

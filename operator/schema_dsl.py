@@ -24,31 +24,71 @@ def _put(node: dict, **kw: Any) -> dict:
     return node
 
 
-def integer(description: str, *, default: int | None = None, minimum: int | None = None,
-            maximum: int | None = None, enum: list[int] | None = None) -> dict:
-    return _put({"type": "integer", "description": description}, default=default, minimum=minimum,
-                maximum=maximum, enum=enum)
+def integer(
+    description: str,
+    *,
+    default: int | None = None,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    enum: list[int] | None = None,
+) -> dict:
+    return _put(
+        {"type": "integer", "description": description},
+        default=default,
+        minimum=minimum,
+        maximum=maximum,
+        enum=enum,
+    )
 
 
-def string(description: str, *, default: str | None = None, enum: list[str] | None = None,
-           pattern: str | None = None, max_length: int | None = None, min_length: int | None = None) -> dict:
-    return _put({"type": "string", "description": description}, default=default, enum=enum,
-                pattern=pattern, maxLength=max_length, minLength=min_length)
+def string(
+    description: str,
+    *,
+    default: str | None = None,
+    enum: list[str] | None = None,
+    pattern: str | None = None,
+    max_length: int | None = None,
+    min_length: int | None = None,
+) -> dict:
+    return _put(
+        {"type": "string", "description": description},
+        default=default,
+        enum=enum,
+        pattern=pattern,
+        maxLength=max_length,
+        minLength=min_length,
+    )
 
 
 def boolean(description: str, *, default: bool | None = None) -> dict:
     return _put({"type": "boolean", "description": description}, default=default)
 
 
-def obj(description: str, properties: dict[str, dict], *, required: list[str] | None = None,
-        default: dict | None = None, validations: list[dict] | None = None) -> dict:
+def obj(
+    description: str,
+    properties: dict[str, dict],
+    *,
+    required: list[str] | None = None,
+    default: dict | None = None,
+    validations: list[dict] | None = None,
+) -> dict:
     node = {"type": "object", "description": description, "properties": properties}
-    return _put(node, required=required or None, default=default,
-                **({"x-kubernetes-validations": validations} if validations else {}))
+    return _put(
+        node,
+        required=required or None,
+        default=default,
+        **({"x-kubernetes-validations": validations} if validations else {}),
+    )
 
 
-def array(description: str, items: dict, *, max_items: int | None = None,
-          list_type: str | None = None, map_keys: list[str] | None = None) -> dict:
+def array(
+    description: str,
+    items: dict,
+    *,
+    max_items: int | None = None,
+    list_type: str | None = None,
+    map_keys: list[str] | None = None,
+) -> dict:
     node = _put({"type": "array", "description": description, "items": items}, maxItems=max_items)
     if list_type:
         node["x-kubernetes-list-type"] = list_type
@@ -61,12 +101,20 @@ def string_map(description: str) -> dict:
     return {"type": "object", "description": description, "additionalProperties": {"type": "string"}}
 
 
-def int_or_string(description: str, *, default: int | str | None = None, pattern: str | None = None,
-                  minimum: int | None = None) -> dict:
+def int_or_string(
+    description: str,
+    *,
+    default: int | str | None = None,
+    pattern: str | None = None,
+    minimum: int | None = None,
+) -> dict:
     """An int-or-string node. Value checks sit beside the canonical anyOf, as controller-gen writes
     them: `pattern` applies to strings only and `minimum` to integers only."""
-    node = {"description": description, "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer"}, {"type": "string"}]}
+    node = {
+        "description": description,
+        "x-kubernetes-int-or-string": True,
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+    }
     return _put(node, default=default, pattern=pattern, minimum=minimum)
 
 
@@ -75,27 +123,50 @@ def quantity(description: str, *, default: str | None = None) -> dict:
 
 
 def resource_requirements(description: str) -> dict:
-    amounts = {"type": "object", "description": "Resource name to quantity.",
-               "additionalProperties": quantity("A quantity, e.g. 8, 500m, 64Gi.")}
-    return obj(description, {
-        "requests": dict(amounts, description="Minimum resources (resource name to quantity)."),
-        "limits": dict(amounts, description="Maximum resources (resource name to quantity)."),
-    })
+    amounts = {
+        "type": "object",
+        "description": "Resource name to quantity.",
+        "additionalProperties": quantity("A quantity, e.g. 8, 500m, 64Gi."),
+    }
+    return obj(
+        description,
+        {
+            "requests": dict(amounts, description="Minimum resources (resource name to quantity)."),
+            "limits": dict(amounts, description="Maximum resources (resource name to quantity)."),
+        },
+    )
 
 
 def tolerations(description: str) -> dict:
-    return array(description, obj("A Kubernetes toleration.", {
-        "key": string("Taint key; empty with operator Exists matches every taint."),
-        "operator": string("Exists or Equal (default Equal).", enum=["Exists", "Equal"]),
-        "value": string("Taint value (operator Equal)."),
-        "effect": string("Taint effect to match; empty matches all.",
-                         enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
-        "tolerationSeconds": integer("How long a NoExecute taint is tolerated.", minimum=0),
-    }))
+    return array(
+        description,
+        obj(
+            "A Kubernetes toleration.",
+            {
+                "key": string("Taint key; empty with operator Exists matches every taint."),
+                "operator": string("Exists or Equal (default Equal).", enum=["Exists", "Equal"]),
+                "value": string("Taint value (operator Equal)."),
+                "effect": string(
+                    "Taint effect to match; empty matches all.",
+                    enum=["NoSchedule", "PreferNoSchedule", "NoExecute"],
+                ),
+                "tolerationSeconds": integer("How long a NoExecute taint is tolerated.", minimum=0),
+            },
+        ),
+    )
 
 
 def env_list(description: str) -> dict:
-    return array(description, obj("One environment variable.", {
-        "name": string("Variable name.", pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"),
-        "value": string("Variable value."),
-    }, required=["name"]), list_type="map", map_keys=["name"])
+    return array(
+        description,
+        obj(
+            "One environment variable.",
+            {
+                "name": string("Variable name.", pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"),
+                "value": string("Variable value."),
+            },
+            required=["name"],
+        ),
+        list_type="map",
+        map_keys=["name"],
+    )

@@ -32,5 +32,9 @@ class OperatorSettings:
         )
 
     def render_options(self, *, lws: bool, podmonitor: bool) -> RenderOptions:
-        return RenderOptions(lws=lws, podmonitor=podmonitor, default_image=self.default_image,
-                             cluster_domain=self.cluster_domain)
+        return RenderOptions(
+            lws=lws,
+            podmonitor=podmonitor,
+            default_image=self.default_image,
+            cluster_domain=self.cluster_domain,
+        )

@@ -39,8 +39,11 @@ def test_crd_shape_subresources_and_printer_columns():
     version = crd.crd()["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
     scale = version["subresources"]["scale"]
-    assert scale == {"specReplicasPath": ".spec.decode.replicas", "statusReplicasPath": ".status.decode.replicas",
-                     "labelSelectorPath": ".status.decode.selector"}
+    assert scale == {
+        "specReplicasPath": ".spec.decode.replicas",
+        "statusReplicasPath": ".status.decode.replicas",
+        "labelSelectorPath": ".status.decode.selector",
+    }
     schema = version["schema"]["openAPIV3Schema"]
     # every path the scale subresource and the printer columns name exists in the schema
     for path in [*scale.values(), *(c["jsonPath"] for c in version["additionalPrinterColumns"])]:
@@ -93,7 +96,11 @@ def _with(cr: dict, path: str, value) -> dict:
 _DELETE = object()
 
 INVALID = [
-    ("spec.prefill.tensorParallelSize", 0, "spec.prefill.tensorParallelSize: 0 is less than the minimum of 1"),
+    (
+        "spec.prefill.tensorParallelSize",
+        0,
+        "spec.prefill.tensorParallelSize: 0 is less than the minimum of 1",
+    ),
     ("spec.decode.replicas", -1, "spec.decode.replicas: -1 is less than the minimum of 0"),
     ("spec.router.policy", "fastest", "spec.router.policy: 'fastest' is not one of ['hybrid-prefix'"),
     ("spec.engine", "tgi", "spec.engine: 'tgi' is not one of ['native', 'vllm']"),
@@ -106,7 +113,11 @@ INVALID = [
     ("spec.model.uri", "ftp://x/y", "spec.model.uri: 'ftp://x/y' does not match"),
     ("spec.decode.tensorParalelSize", 2, "spec.decode: unknown field(s) 'tensorParalelSize'"),
     ("spec.decode.gpusPerNode", "8", "spec.decode.gpusPerNode: '8' is not of type 'integer'"),
-    ("spec.prefill.tolerations", [{"operator": "Maybe"}], "spec.prefill.tolerations[0].operator: 'Maybe' is not one of"),
+    (
+        "spec.prefill.tolerations",
+        [{"operator": "Maybe"}],
+        "spec.prefill.tolerations[0].operator: 'Maybe' is not one of",
+    ),
     ("spec.model", _DELETE, "spec: 'model' is required"),
 ]
 
@@ -126,26 +137,55 @@ def test_cel_rules_carry_the_layout_rules_and_messages():
         if rule.cel:
             assert rules[rule.message] == rule.cel
     # every prefill rule is waived in colocated mode (prefill.replicas == 0), at admission as in Python
-    assert all(r.cel.startswith("self.prefill.replicas == 0 ||") for r in layout.RULES if r.name.startswith("prefill-"))
+    assert all(
+        r.cel.startswith("self.prefill.replicas == 0 ||")
+        for r in layout.RULES
+        if r.name.startswith("prefill-")
+    )
     root = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    assert root["x-kubernetes-validations"][0]["rule"] == f"size(self.metadata.name) <= {layout.MAX_NAME_LENGTH}"
+    assert (
+        root["x-kubernetes-validations"][0]["rule"] == f"size(self.metadata.name) <= {layout.MAX_NAME_LENGTH}"
+    )
 
 
 UNSERVABLE = [
-    ({"prefill": {"tensorParallelSize": 5}}, "spec.prefill.tensorParallelSize 5 does not divide the model's "
-                                             "96 KDA heads and 96 MLA heads"),
-    ({"model": {"uri": "hf://x/y", "architecture": {"kdaHeads": 32, "mlaHeads": 96}}, "prefill": {"tensorParallelSize": 3}},
-     "spec.prefill.tensorParallelSize 3 does not divide the model's 32 KDA heads"),
-    ({"decode": {"dataParallelSize": 12}}, "spec.decode: 12 ranks per group (tensorParallelSize x dataParallelSize) "
-                                           "do not fill whole 8-GPU nodes"),
-    ({"decode": {"dataParallelSize": 3, "gpusPerNode": 4}}, "spec.decode: expertParallel over 3 ranks needs "
-                                                            "numExperts divisible by 3"),
-    ({"decode": {"tensorParallelSize": 3, "dataParallelSize": 1}}, "prefill tensorParallelSize 8 and decode "
-                                                                   "tensorParallelSize 3 do not divide one another"),
-    ({"decode": {"gpusPerNode": 0, "dataParallelSize": 2}}, "spec.decode: a CPU pool (gpusPerNode 0) runs one rank"),
-    ({"model": {"uri": "hf://x/y", "pvc": {"claimName": "m"}}}, "spec.model: set exactly one of uri or pvc (both"),
+    (
+        {"prefill": {"tensorParallelSize": 5}},
+        "spec.prefill.tensorParallelSize 5 does not divide the model's 96 KDA heads and 96 MLA heads",
+    ),
+    (
+        {
+            "model": {"uri": "hf://x/y", "architecture": {"kdaHeads": 32, "mlaHeads": 96}},
+            "prefill": {"tensorParallelSize": 3},
+        },
+        "spec.prefill.tensorParallelSize 3 does not divide the model's 32 KDA heads",
+    ),
+    (
+        {"decode": {"dataParallelSize": 12}},
+        "spec.decode: 12 ranks per group (tensorParallelSize x dataParallelSize) "
+        "do not fill whole 8-GPU nodes",
+    ),
+    (
+        {"decode": {"dataParallelSize": 3, "gpusPerNode": 4}},
+        "spec.decode: expertParallel over 3 ranks needs numExperts divisible by 3",
+    ),
+    (
+        {"decode": {"tensorParallelSize": 3, "dataParallelSize": 1}},
+        "prefill tensorParallelSize 8 and decode tensorParallelSize 3 do not divide one another",
+    ),
+    (
+        {"decode": {"gpusPerNode": 0, "dataParallelSize": 2}},
+        "spec.decode: a CPU pool (gpusPerNode 0) runs one rank",
+    ),
+    (
+        {"model": {"uri": "hf://x/y", "pvc": {"claimName": "m"}}},
+        "spec.model: set exactly one of uri or pvc (both",
+    ),
     ({"engine": "vllm"}, "spec.engine 'vllm' is reserved for a later release"),
-    ({"cache": {"blockSize": 64, "retentionInterval": 100}}, "spec.cache.retentionInterval 100 must be a multiple"),
+    (
+        {"cache": {"blockSize": 64, "retentionInterval": 100}},
+        "spec.cache.retentionInterval 100 must be a multiple",
+    ),
 ]
 
 
@@ -154,8 +194,12 @@ def test_unservable_layouts_are_explained(patch, message):
     spec = {"model": {"uri": "hf://moonshotai/Kimi-K3"}}
     for key, value in patch.items():
         spec[key] = value
-    assert validation.errors({"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "k3"},
-                              "spec": spec}) == []  # schema-valid: only the layout is wrong
+    assert (
+        validation.errors(
+            {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "k3"}, "spec": spec}
+        )
+        == []
+    )  # schema-valid: only the layout is wrong
     problems = layout.problems("k3", default_spec(spec))
     assert any(p.startswith(message) for p in problems), problems
 
@@ -165,3 +209,23 @@ def test_colocated_mode_waives_prefill_rules_and_long_names_are_refused():
     assert layout.problems("k3", spec) == []
     assert layout.plan(spec).colocated and layout.plan(spec).decode.role == "both"
     assert "metadata.name is 41 characters" in layout.problems("x" * 41, spec)[0]
+
+
+def test_every_generated_file_is_current():
+    """CRD copies, dashboards, RBAC rules and the docs' field reference (helm-free part of `generate`)."""
+    files = generate.expected(ROOT)
+    assert "docs/kubernetes.md" in files and "charts/k3serve/files/operator-rules.yaml" in files
+    for rel, text in files.items():
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            assert f.read() == text, f"{rel} is stale: run `k3serve operator generate`"
+    reference = files["docs/kubernetes.md"]
+    for path in (
+        "`prefill.tensorParallelSize`",
+        "`decode.dataParallelSize`",
+        "`router.apiKeySecretRef.key`",
+        "`cache.retentionInterval`",
+        "`kvStore.memory`",
+        "`monitoring.podMonitor`",
+        "`model.pvc.claimName`",
+    ):
+        assert path in reference

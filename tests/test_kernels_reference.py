@@ -136,14 +136,21 @@ def test_dispatch_single_place():
     def fake(x, weight, eps):
         return "triton"
 
+    ops._autoload()  # load the Triton registrations first (a CUDA lookup would), then set them aside
+    saved = ops.registered()
+    for name in saved:
+        ops.unregister_impl(name)
     ops.register_impl("rms_norm", fake)
     try:
         assert ops._impl("rms_norm", _FakeCuda()) is fake
         assert ops._impl("rms_norm", torch.zeros(1)) is reference.rms_norm  # CPU stays on the reference
         assert ops._impl("l2_normalize", _FakeCuda()) is reference.l2_normalize  # nothing registered
         assert ops.registered() == {"rms_norm": fake}
+        ops.unregister_impl("rms_norm")
+        assert ops._impl("rms_norm", _FakeCuda()) is reference.rms_norm
     finally:
         ops.unregister_impl("rms_norm")
-    assert ops._impl("rms_norm", _FakeCuda()) is reference.rms_norm
+        for name, fn in saved.items():
+            ops.register_impl(name, fn)
     with pytest.raises(ValueError):
         ops.register_impl("not_an_op", fake)

@@ -46,7 +46,7 @@ def sample(name: str) -> dict:
         return yaml.safe_load(f)
 
 
-def wait_for(what: str, fn: Callable[[], object], timeout: float = 30.0, log: str | None = None):
+def wait_for(what: str, fn: Callable[[], object], timeout: float = 45.0, log: str | None = None):
     deadline = time.monotonic() + timeout
     while True:
         value = fn()
@@ -61,15 +61,25 @@ def wait_for(what: str, fn: Callable[[], object], timeout: float = 30.0, log: st
 class Cluster:
     """The emulator plus a running `k3serve operator run`."""
 
-    def __init__(self, emu: EmulatorThread, proc: subprocess.Popen, log: str, metrics_port: int, liveness: str):
-        self.emu, self.proc, self.log, self.metrics_port, self.liveness = emu, proc, log, metrics_port, liveness
+    def __init__(
+        self, emu: EmulatorThread, proc: subprocess.Popen, log: str, metrics_port: int, liveness: str
+    ):
+        self.emu, self.proc, self.log, self.metrics_port, self.liveness = (
+            emu,
+            proc,
+            log,
+            metrics_port,
+            liveness,
+        )
         self.http = httpx.Client(base_url=emu.url, timeout=10)
 
     def create(self, namespace: str, cr: dict) -> dict:
         cr = copy.deepcopy(cr)
         cr["metadata"]["namespace"] = namespace
-        resp = self.http.post(f"/apis/{CRS}".replace("/kimik3deployments", f"/namespaces/{namespace}/kimik3deployments"),
-                              json=cr)
+        resp = self.http.post(
+            f"/apis/{CRS}".replace("/kimik3deployments", f"/namespaces/{namespace}/kimik3deployments"),
+            json=cr,
+        )
         assert resp.status_code in (200, 201), resp.text
         return resp.json()
 
@@ -94,7 +104,9 @@ class Cluster:
         return (self.cr(namespace, name) or {}).get("status") or {}
 
     def condition(self, namespace: str, name: str, ctype: str) -> dict:
-        return next((c for c in self.status(namespace, name).get("conditions") or [] if c["type"] == ctype), {})
+        return next(
+            (c for c in self.status(namespace, name).get("conditions") or [] if c["type"] == ctype), {}
+        )
 
     def children(self, namespace: str) -> dict[tuple[str, str], dict]:
         return self.emu.resources_of(namespace, CHILDREN)
@@ -102,9 +114,15 @@ class Cluster:
     def events(self, namespace: str) -> list[dict]:
         return self.emu.objects("v1/events", namespace)
 
-    def wait_status(self, namespace: str, name: str, pred: Callable[[dict], bool], what: str, timeout: float = 30):
-        return wait_for(what, lambda: (lambda s: s if s and pred(s) else None)(self.status(namespace, name)),
-                        timeout, self.log)
+    def wait_status(
+        self, namespace: str, name: str, pred: Callable[[dict], bool], what: str, timeout: float = 45
+    ):
+        return wait_for(
+            what,
+            lambda: (lambda s: s if s and pred(s) else None)(self.status(namespace, name)),
+            timeout,
+            self.log,
+        )
 
 
 def start_cluster(tmp_dir, *, lws: bool) -> tuple[EmulatorThread, Cluster]:
@@ -115,11 +133,31 @@ def start_cluster(tmp_dir, *, lws: bool) -> tuple[EmulatorThread, Cluster]:
     env = dict(os.environ, KUBECONFIG=kubeconfig, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1")
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "k3serve", "operator", "run", "--all-namespaces", "--liveness", liveness,
-             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--status-interval", "1",
-             "--resync-interval", "3",
-             "--default-image", "registry.test/k3serve:test"],
-            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(tmp_dir))
+            [
+                sys.executable,
+                "-m",
+                "k3serve",
+                "operator",
+                "run",
+                "--all-namespaces",
+                "--liveness",
+                liveness,
+                "--metrics-host",
+                "127.0.0.1",
+                "--metrics-port",
+                str(metrics_port),
+                "--status-interval",
+                "1",
+                "--resync-interval",
+                "3",
+                "--default-image",
+                "registry.test/k3serve:test",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=str(tmp_dir),
+        )
     cluster = Cluster(emu, proc, log, metrics_port, liveness)
 
     def alive():
@@ -166,11 +204,18 @@ def ns(cluster):
     yield namespace
     for cr in cluster.emu.objects(CRS, namespace):
         cluster.http.delete(cluster.path(CRS, namespace, cr["metadata"]["name"]))
-    wait_for("deployments to be deleted", lambda: not cluster.emu.objects(CRS, namespace), timeout=20, log=cluster.log)
+    wait_for(
+        "deployments to be deleted",
+        lambda: not cluster.emu.objects(CRS, namespace),
+        timeout=60,
+        log=cluster.log,
+    )
     cluster.emu.purge(namespace)
 
 
-def expected_objects(cluster: Cluster, namespace: str, name: str, lws: bool = False) -> dict[tuple[str, str], dict]:
+def expected_objects(
+    cluster: Cluster, namespace: str, name: str, lws: bool = False
+) -> dict[tuple[str, str], dict]:
     """What the renderer says the live CR should have (with the default image the operator was given)."""
     cr = cluster.cr(namespace, name)
     result = render(cr, RenderOptions(lws=lws, podmonitor=True, default_image="registry.test/k3serve:test"))
@@ -180,14 +225,24 @@ def expected_objects(cluster: Cluster, namespace: str, name: str, lws: bool = Fa
 def assert_children_match(cluster: Cluster, namespace: str, name: str, lws: bool = False) -> dict:
     cr = cluster.cr(namespace, name)
     want = expected_objects(cluster, namespace, name, lws)
-    live = wait_for(f"children of {namespace}/{name}",
-                    lambda: (lambda c: c if set(c) == set(want) else None)(cluster.children(namespace)),
-                    log=cluster.log)
+    live = wait_for(
+        f"children of {namespace}/{name}",
+        lambda: (lambda c: c if set(c) == set(want) else None)(cluster.children(namespace)),
+        log=cluster.log,
+    )
     for key, obj in live.items():
         assert validate.errors(obj) == [], key
         refs = obj["metadata"]["ownerReferences"]
-        assert refs == [{"apiVersion": "k3serve.io/v1alpha1", "kind": "KimiK3Deployment", "name": name,
-                         "uid": cr["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}], key
+        assert refs == [
+            {
+                "apiVersion": "k3serve.io/v1alpha1",
+                "kind": "KimiK3Deployment",
+                "name": name,
+                "uid": cr["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], key
         for field in ("spec", "data", "rules", "roleRef", "subjects"):
             if field in want[key]:
                 assert obj[field] == want[key][field], (key, field)
@@ -201,8 +256,11 @@ def test_tiny_cpu_sample_creates_every_child_and_a_status(cluster, ns):
     assert ("StatefulSet", "tiny-decode") in live and ("PodMonitor", "tiny") not in live  # podMonitor: false
     assert status["phase"] == "Progressing" and status["readyPools"] == "0/4"
     assert status["gatewayURL"] == f"http://tiny-router.{ns}.svc.cluster.local:8000/v1"
-    assert status["decode"] == {"replicas": 1, "readyReplicas": 0,
-                                "selector": "k3serve.io/deployment=tiny,k3serve.io/role=decode"}
+    assert status["decode"] == {
+        "replicas": 1,
+        "readyReplicas": 0,
+        "selector": "k3serve.io/deployment=tiny,k3serve.io/role=decode",
+    }
     assert cluster.condition(ns, "tiny", "Ready")["status"] == "False"
     assert cluster.condition(ns, "tiny", "Progressing")["status"] == "True"
     assert cluster.condition(ns, "tiny", "Degraded")["status"] == "False"
@@ -210,7 +268,9 @@ def test_tiny_cpu_sample_creates_every_child_and_a_status(cluster, ns):
     assert image == "registry.test/k3serve:test"  # the operator's --default-image
     cr = cluster.cr(ns, "tiny")
     assert cr["metadata"]["finalizers"] == ["k3serve.io/finalizer"]
-    applied = wait_for("an Applied event", lambda: [e for e in cluster.events(ns) if e["reason"] == "Applied"])
+    applied = wait_for(
+        "an Applied event", lambda: [e for e in cluster.events(ns) if e["reason"] == "Applied"]
+    )
     assert applied[0]["type"] == "Normal" and "17 created" in applied[0]["message"]
     assert applied[0]["involvedObject"]["uid"] == cr["metadata"]["uid"]
 
@@ -221,8 +281,13 @@ def test_status_turns_ready_when_the_children_are_ready(cluster, ns):
     for (kind, name), obj in live.items():
         if kind in ("StatefulSet", "Deployment"):  # play the controllers
             replicas = obj["spec"]["replicas"]
-            cluster.patch(("apps/v1/statefulsets" if kind == "StatefulSet" else "apps/v1/deployments"), ns,
-                          name, {"status": {"replicas": replicas, "readyReplicas": replicas}}, status=True)
+            cluster.patch(
+                ("apps/v1/statefulsets" if kind == "StatefulSet" else "apps/v1/deployments"),
+                ns,
+                name,
+                {"status": {"replicas": replicas, "readyReplicas": replicas}},
+                status=True,
+            )
     status = cluster.wait_status(ns, "tiny", lambda s: s.get("phase") == "Ready", "phase Ready")
     assert status["readyPools"] == "4/4"
     ready = cluster.condition(ns, "tiny", "Ready")
@@ -242,7 +307,9 @@ def test_spec_changes_patch_the_children_and_prune_what_is_gone(cluster, ns):
     cluster.create(ns, sample("k3-tep8-dep16.yaml"))
     cluster.wait_status(ns, "k3", lambda s: s.get("observedGeneration") == 1, "first status")
     before = assert_children_match(cluster, ns, "k3")
-    router_hash = before[("Deployment", "k3-router")]["spec"]["template"]["metadata"]["annotations"][n.ANN_CONFIG_HASH]
+    router_hash = before[("Deployment", "k3-router")]["spec"]["template"]["metadata"]["annotations"][
+        n.ANN_CONFIG_HASH
+    ]
     # scale decode to 3 groups (what `kubectl scale` does through the scale subresource) and change policy
     cluster.patch(CRS, ns, "k3", {"spec": {"decode": {"replicas": 3}, "router": {"policy": "least-loaded"}}})
     status = cluster.wait_status(ns, "k3", lambda s: s.get("observedGeneration") == 2, "generation 2")
@@ -253,8 +320,10 @@ def test_spec_changes_patch_the_children_and_prune_what_is_gone(cluster, ns):
     assert "least-loaded" in router["spec"]["containers"][0]["args"]
     assert router["metadata"]["annotations"][n.ANN_CONFIG_HASH] != router_hash
     # the untouched prefill pool was not rewritten
-    assert (after[("StatefulSet", "k3-prefill")]["metadata"]["resourceVersion"]
-            == before[("StatefulSet", "k3-prefill")]["metadata"]["resourceVersion"])
+    assert (
+        after[("StatefulSet", "k3-prefill")]["metadata"]["resourceVersion"]
+        == before[("StatefulSet", "k3-prefill")]["metadata"]["resourceVersion"]
+    )
     # scale down to one group: groups 1 and 2 are deleted
     cluster.patch(CRS, ns, "k3", {"spec": {"decode": {"replicas": 1}}})
     cluster.wait_status(ns, "k3", lambda s: s.get("observedGeneration") == 3, "generation 3")
@@ -273,8 +342,9 @@ def test_unservable_layout_is_degraded_before_anything_is_created(cluster, ns):
     assert "12 ranks per group" in degraded["message"] and "8-GPU nodes" in degraded["message"]
     assert cluster.condition(ns, "k3", "Ready")["status"] == "False"
     assert status["observedGeneration"] == 1
-    warning = wait_for("an InvalidLayout event",
-                       lambda: [e for e in cluster.events(ns) if e["reason"] == "InvalidLayout"])
+    warning = wait_for(
+        "an InvalidLayout event", lambda: [e for e in cluster.events(ns) if e["reason"] == "InvalidLayout"]
+    )
     assert warning[0]["type"] == "Warning" and "12 ranks per group" in warning[0]["message"]
     time.sleep(1.5)  # a status-refresh tick later: still nothing created
     assert cluster.children(ns) == {}
@@ -297,29 +367,70 @@ def test_schema_invalid_cr_is_degraded_with_the_field_named(cluster, ns):
     assert cluster.children(ns) == {}
 
 
+def test_a_foreign_object_in_the_way_is_reported_and_never_taken_over(cluster, ns):
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "tiny-router", "namespace": ns},
+        "spec": {"ports": [{"port": 80}]},
+    }
+    assert cluster.http.post(cluster.path("v1/services", ns), json=foreign).status_code in (200, 201)
+    cluster.create(ns, sample("tiny-cpu.yaml"))
+    cluster.wait_status(ns, "tiny", lambda s: s.get("phase") == "Degraded", "phase Degraded")
+    degraded = cluster.condition(ns, "tiny", "Degraded")
+    assert degraded["reason"] == "ApplyFailed"
+    assert (
+        "Service/tiny-router already exists and is not managed by this KimiK3Deployment"
+        in degraded["message"]
+    )
+    assert wait_for(
+        "an ApplyFailed event", lambda: [e for e in cluster.events(ns) if e["reason"] == "ApplyFailed"]
+    )
+    service = cluster.emu.get("v1/services", ns, "tiny-router")
+    assert "ownerReferences" not in service["metadata"] and service["spec"] == foreign["spec"]
+    cluster.delete("v1/services", ns, "tiny-router")  # the user clears the way: the operator recovers
+    cluster.wait_status(ns, "tiny", lambda s: s.get("phase") == "Progressing", "recovery")
+    assert cluster.condition(ns, "tiny", "Degraded")["status"] == "False"
+    assert_children_match(cluster, ns, "tiny")
+
+
 def test_a_deleted_child_is_recreated(cluster, ns):
     cluster.create(ns, sample("tiny-cpu.yaml"))
     assert_children_match(cluster, ns, "tiny")
     cluster.delete("apps/v1/deployments", ns, "tiny-router")
-    wait_for("the router Deployment to come back",
-             lambda: cluster.emu.get("apps/v1/deployments", ns, "tiny-router"), log=cluster.log)
+    wait_for(
+        "the router Deployment to come back",
+        lambda: cluster.emu.get("apps/v1/deployments", ns, "tiny-router"),
+        log=cluster.log,
+    )
     assert_children_match(cluster, ns, "tiny")
 
 
 def test_delete_leaves_owned_children_to_the_garbage_collector_and_removes_the_rest(cluster, ns):
     cr = cluster.create(ns, sample("tiny-cpu.yaml"))
     owned = assert_children_match(cluster, ns, "tiny")
-    leftover = {"apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": "tiny-leftover", "namespace": ns,
-                             "labels": {n.LABEL_DEPLOYMENT: "tiny", n.LABEL_MANAGED_BY: n.MANAGED_BY}},
-                "data": {"k": "v"}}
+    leftover = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "tiny-leftover",
+            "namespace": ns,
+            "labels": {n.LABEL_DEPLOYMENT: "tiny", n.LABEL_MANAGED_BY: n.MANAGED_BY},
+        },
+        "data": {"k": "v"},
+    }
     unrelated = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "users-own", "namespace": ns}}
     for obj in (leftover, unrelated):
         assert cluster.http.post(cluster.path("v1/configmaps", ns), json=obj).status_code in (200, 201)
     cluster.delete(CRS, ns, "tiny")
-    wait_for("the CR to be gone (finalizer released)", lambda: cluster.cr(ns, "tiny") is None, log=cluster.log)
-    wait_for("the unowned leftover to be deleted",
-             lambda: cluster.emu.get("v1/configmaps", ns, "tiny-leftover") is None, log=cluster.log)
+    wait_for(
+        "the CR to be gone (finalizer released)", lambda: cluster.cr(ns, "tiny") is None, log=cluster.log
+    )
+    wait_for(
+        "the unowned leftover to be deleted",
+        lambda: cluster.emu.get("v1/configmaps", ns, "tiny-leftover") is None,
+        log=cluster.log,
+    )
     assert cluster.emu.get("v1/configmaps", ns, "users-own") is not None
     remaining = cluster.children(ns)
     assert set(remaining) - {("ConfigMap", "users-own")} == set(owned)  # no garbage collector here ...
@@ -329,10 +440,14 @@ def test_delete_leaves_owned_children_to_the_garbage_collector_and_removes_the_r
 
 def test_operator_metrics_are_exported_and_catalogued(cluster):
     text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).text
-    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
-             if line.startswith("k3serve_operator")}
-    assert {"k3serve_operator_reconciles_total", "k3serve_operator_deployments",
-            "k3serve_operator_reconcile_seconds_bucket"} <= names
+    names = {
+        line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("k3serve_operator")
+    }
+    assert {
+        "k3serve_operator_reconciles_total",
+        "k3serve_operator_deployments",
+        "k3serve_operator_reconcile_seconds_bucket",
+    } <= names
     assert names <= all_scraped_names()
     assert 'k3serve_operator_reconciles_total{handler="create",result="ok"}' in text
     assert 'k3serve_operator_reconciles_total{handler="create",result="invalid"}' in text
@@ -355,9 +470,16 @@ def test_leaderworkerset_groups_when_the_crd_is_installed(tmp_path):
         lws = live[("LeaderWorkerSet", "k3-decode")]
         assert lws["spec"]["replicas"] == 2 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
         assert not [k for k in live if k[0] == "StatefulSet" and k[1].startswith("k3-decode")]
-        c.patch("leaderworkerset.x-k8s.io/v1/leaderworkersets", "lws", "k3-decode",
-                {"status": {"readyReplicas": 1}}, status=True)
-        status = c.wait_status("lws", "k3", lambda s: s.get("decode", {}).get("readyReplicas") == 1, "decode 1/2")
+        c.patch(
+            "leaderworkerset.x-k8s.io/v1/leaderworkersets",
+            "lws",
+            "k3-decode",
+            {"status": {"readyReplicas": 1}},
+            status=True,
+        )
+        status = c.wait_status(
+            "lws", "k3", lambda s: s.get("decode", {}).get("readyReplicas") == 1, "decode 1/2"
+        )
         assert status["decode"]["selector"].startswith("k3serve.io/deployment=k3,k3serve.io/role=decode,")
         assert "leaderworkerset.sigs.k8s.io/worker-index=0" in status["decode"]["selector"]
     finally:

@@ -22,7 +22,9 @@ from k3serve.operator.testing import validate
 ROOT = generate.repo_root()
 
 
-def sample(name: str, namespace: str = "ns", uid: str | None = "3f1c0e52-0000-4000-8000-000000000001") -> dict:
+def sample(
+    name: str, namespace: str = "ns", uid: str | None = "3f1c0e52-0000-4000-8000-000000000001"
+) -> dict:
     with open(os.path.join(ROOT, "manifests", "samples", name), encoding="utf-8") as f:
         cr = yaml.safe_load(f)
     cr["metadata"]["namespace"] = namespace
@@ -45,7 +47,12 @@ def pod_templates(objects: list[dict]) -> list[tuple[str, dict]]:
     return out
 
 
-CASES = [("tiny-cpu.yaml", False), ("tiny-cpu.yaml", True), ("k3-tep8-dep16.yaml", False), ("k3-tep8-dep16.yaml", True)]
+CASES = [
+    ("tiny-cpu.yaml", False),
+    ("tiny-cpu.yaml", True),
+    ("k3-tep8-dep16.yaml", False),
+    ("k3-tep8-dep16.yaml", True),
+]
 
 
 @pytest.mark.parametrize("name,lws", CASES)
@@ -61,13 +68,23 @@ def test_every_rendered_object_is_strictly_valid(name, lws):
 def test_tiny_cpu_objects():
     objs = by_key(render(sample("tiny-cpu.yaml")).objects)
     assert set(objs) == {
-        ("ServiceAccount", "tiny-worker"), ("ServiceAccount", "tiny-router"), ("Role", "tiny-router"),
-        ("RoleBinding", "tiny-router"), ("ConfigMap", "tiny-config"),
-        ("Service", "tiny-prefill"), ("Service", "tiny-decode"), ("Service", "tiny-router"), ("Service", "tiny-kvstore"),
-        ("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"),
-        ("Deployment", "tiny-router"), ("Deployment", "tiny-kvstore"),
-        ("PodDisruptionBudget", "tiny-prefill"), ("PodDisruptionBudget", "tiny-decode"),
-        ("PodDisruptionBudget", "tiny-router"), ("NetworkPolicy", "tiny-internal"),
+        ("ServiceAccount", "tiny-worker"),
+        ("ServiceAccount", "tiny-router"),
+        ("Role", "tiny-router"),
+        ("RoleBinding", "tiny-router"),
+        ("ConfigMap", "tiny-config"),
+        ("Service", "tiny-prefill"),
+        ("Service", "tiny-decode"),
+        ("Service", "tiny-router"),
+        ("Service", "tiny-kvstore"),
+        ("StatefulSet", "tiny-prefill"),
+        ("StatefulSet", "tiny-decode"),
+        ("Deployment", "tiny-router"),
+        ("Deployment", "tiny-kvstore"),
+        ("PodDisruptionBudget", "tiny-prefill"),
+        ("PodDisruptionBudget", "tiny-decode"),
+        ("PodDisruptionBudget", "tiny-router"),
+        ("NetworkPolicy", "tiny-internal"),
     }  # podMonitor: false in the sample
     decode = objs[("StatefulSet", "tiny-decode")]
     assert decode["spec"]["replicas"] == 1 and decode["spec"]["serviceName"] == "tiny-decode"
@@ -87,7 +104,10 @@ def test_production_without_lws_is_one_statefulset_per_decode_group():
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
         env = {e["name"]: e for e in container["env"]}
         assert env["K3SERVE_NUM_NODES"]["value"] == "2"
-        assert env["K3SERVE_LEADER_ADDR"]["value"] == f"k3-decode-{group}-0.k3-decode-{group}.ns.svc.cluster.local"
+        assert (
+            env["K3SERVE_LEADER_ADDR"]["value"]
+            == f"k3-decode-{group}-0.k3-decode-{group}.ns.svc.cluster.local"
+        )
         assert n.LABEL_STS_POD_INDEX in env["K3SERVE_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
         assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     prefill = objs[("StatefulSet", "k3-prefill")]
@@ -130,11 +150,24 @@ def test_worker_router_and_store_command_lines_follow_the_contract():
         assert _flag(args, "--prefix-cache-retention-interval") == "0"
         assert (_flag(args, "--kv-cache-memory"), _flag(args, "--max-model-len")) == ("0.9", "262144")
     router = objs[("Deployment", "k3-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert router[:8] == ["router", "--host", "$(K3SERVE_POD_IP)", "--port", "8000", "--metrics-port", "9100",
-                          "--discovery"] and _flag(router, "--discovery") == "kubernetes"
+    assert (
+        router[:8]
+        == [
+            "router",
+            "--host",
+            "$(K3SERVE_POD_IP)",
+            "--port",
+            "8000",
+            "--metrics-port",
+            "9100",
+            "--discovery",
+        ]
+        and _flag(router, "--discovery") == "kubernetes"
+    )
     assert _flag(router, "--prefill-selector") == "k3serve.io/deployment=k3,k3serve.io/role=prefill"
-    assert _flag(router, "--decode-selector") == ("apps.kubernetes.io/pod-index=0,k3serve.io/deployment=k3,"
-                                                  "k3serve.io/role=decode")
+    assert _flag(router, "--decode-selector") == (
+        "apps.kubernetes.io/pod-index=0,k3serve.io/deployment=k3,k3serve.io/role=decode"
+    )
     assert _flag(router, "--policy") == "hybrid-prefix"
     assert _flag(router, "--api-key-file") == "/etc/k3serve/api-key/api-key"
     store = objs[("Deployment", "k3-kvstore")]["spec"]["template"]["spec"]["containers"][0]
@@ -143,7 +176,7 @@ def test_worker_router_and_store_command_lines_follow_the_contract():
     # a CPU sample: PVC model path and byte-sized KV cache
     tiny = by_key(render(sample("tiny-cpu.yaml")).objects)
     args = tiny[("StatefulSet", "tiny-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert _flag(args, "--model") == "/models/tiny" and _flag(args, "--kv-cache-memory") == str(256 * 2 ** 20)
+    assert _flag(args, "--model") == "/models/tiny" and _flag(args, "--kv-cache-memory") == str(256 * 2**20)
     assert (_flag(args, "--block-size"), _flag(args, "--prefix-match-unit")) == ("64", "16")
     assert "--expert-parallel" not in args
 
@@ -157,8 +190,11 @@ def test_router_selectors_select_exactly_the_group_leaders():
             wanted = dict(kv.split("=") for kv in _flag(args, flag).split(","))
             for tname, template in pod_templates(result.objects):
                 labels = template["metadata"]["labels"]
-                static = {k: v for k, v in wanted.items()
-                          if k not in (n.LABEL_STS_POD_INDEX, n.LABEL_LWS_WORKER_INDEX)}
+                static = {
+                    k: v
+                    for k, v in wanted.items()
+                    if k not in (n.LABEL_STS_POD_INDEX, n.LABEL_LWS_WORKER_INDEX)
+                }
                 assert (static.items() <= labels.items()) == (labels.get(n.LABEL_ROLE) == pool), tname
         assert result.decode_selector == _flag(args, "--decode-selector")
 
@@ -209,9 +245,17 @@ def test_owner_references_only_when_the_cr_has_a_uid():
     with_uid = render(sample("tiny-cpu.yaml"))
     for obj in with_uid.objects:
         (ref,) = obj["metadata"]["ownerReferences"]
-        assert ref == {"apiVersion": "k3serve.io/v1alpha1", "kind": "KimiK3Deployment", "name": "tiny",
-                       "uid": "3f1c0e52-0000-4000-8000-000000000001", "controller": True, "blockOwnerDeletion": True}
-    assert all("ownerReferences" not in o["metadata"] for o in render(sample("tiny-cpu.yaml", uid=None)).objects)
+        assert ref == {
+            "apiVersion": "k3serve.io/v1alpha1",
+            "kind": "KimiK3Deployment",
+            "name": "tiny",
+            "uid": "3f1c0e52-0000-4000-8000-000000000001",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    assert all(
+        "ownerReferences" not in o["metadata"] for o in render(sample("tiny-cpu.yaml", uid=None)).objects
+    )
 
 
 def test_unservable_or_invalid_specs_render_nothing():
@@ -271,8 +315,10 @@ def test_render_command_prints_what_render_returns(tmp_path, capsys):
 
 
 def test_merge_patch_three_way_semantics():
-    live = {"metadata": {"labels": {"a": "1", "theirs": "x"}, "resourceVersion": "7"},
-            "spec": {"replicas": 2, "selector": {"k": "v"}, "stale": 1}}
+    live = {
+        "metadata": {"labels": {"a": "1", "theirs": "x"}, "resourceVersion": "7"},
+        "spec": {"replicas": 2, "selector": {"k": "v"}, "stale": 1},
+    }
     desired = {"metadata": {"labels": {"a": "2"}}, "spec": {"replicas": 2, "selector": {"k": "v"}}}
     last = {"metadata": {"labels": {"a": "1"}}, "spec": {"replicas": 2, "selector": {"k": "v"}, "stale": 1}}
     assert merge_patch(live, desired, last) == {"metadata": {"labels": {"a": "2"}}, "spec": {"stale": None}}
@@ -284,12 +330,23 @@ def test_merge_patch_three_way_semantics():
 
 
 def test_quantities_and_defaults():
-    assert quantity.to_bytes("64Gi") == 64 * 2 ** 30 and quantity.to_bytes("1.5G") == 1_500_000_000
-    assert quantity.to_bytes(1024) == 1024 and quantity.to_bytes("1e3") == 1000 and quantity.to_bytes("500m") == 1
+    assert quantity.to_bytes("64Gi") == 64 * 2**30 and quantity.to_bytes("1.5G") == 1_500_000_000
+    assert (
+        quantity.to_bytes(1024) == 1024
+        and quantity.to_bytes("1e3") == 1000
+        and quantity.to_bytes("500m") == 1
+    )
     with pytest.raises(ValueError):
         quantity.parse("64 GiB")
-    schema = {"type": "object", "properties": {
-        "a": {"type": "object", "default": {}, "properties": {"b": {"type": "integer", "default": 3}}},
-        "l": {"type": "array", "items": {"type": "object", "properties": {"c": {"type": "string", "default": "d"}}}}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "default": {}, "properties": {"b": {"type": "integer", "default": 3}}},
+            "l": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"c": {"type": "string", "default": "d"}}},
+            },
+        },
+    }
     assert apply_defaults(schema, {"l": [{}]}) == {"a": {"b": 3}, "l": [{"c": "d"}]}
     assert apply_defaults(schema, {"a": {"b": 5}}) == {"a": {"b": 5}}

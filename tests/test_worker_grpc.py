@@ -179,7 +179,8 @@ def test_health_and_load(worker, loop):
     assert (h.status, h.role, h.model) == (pb.HealthResponse.SERVING, "both", "fake-k3")
     load = load_to_dict(loop(lambda: worker.stub.GetLoad(pb.LoadRequest())))
     assert load == dict(running=0, waiting=0, free_pages=100, total_pages=100, kv_usage=0.0, kda_slots_used=0,
-                        kda_slots_total=50, max_model_len=64, model="fake-k3", role="both")
+                        kda_slots_total=50, max_model_len=64, model="fake-k3", role="both",
+                        kv_event_sequence=0)
 
 
 def test_dead_engine(loop, tok):

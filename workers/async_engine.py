@@ -19,6 +19,12 @@ Contract:
 * If the engine thread dies (an exception from `step()`), every in-flight stream raises
   `EngineDeadError` (with the cause in its message), later calls raise it at once, and
   `is_healthy()` turns False. Nothing waits forever.
+* Other code that must touch the engine runs on the engine thread between steps:
+  `await run_on_engine_thread(fn)` returns `fn(engine)` (or raises what it raised);
+  `call_soon_on_engine_thread(fn)` is the fire-and-forget form (dropped if the engine is not running).
+  `add_engine_hook(after_work, on_stop)` runs `after_work()` on the engine thread after every engine
+  step (before that step's outputs are delivered) and after every batch of commands, and
+  `on_stop(exc)` once when the engine thread ends (with the EngineDeadError streams get).
 * The engine object is only ever touched from the engine thread (after `start()`); `stats()`
   returns the latest `LLMEngine.stats()` snapshot, refreshed at most every `stats_interval_s` while
   busy and right after the engine goes idle (metrics gauges follow the same refreshes).
@@ -32,7 +38,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from k3serve.workers.outputs import CompletionOutput, RequestOutput
@@ -69,6 +75,15 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread; the result goes to `fut` on `loop` (both None: fire and forget)."""
+
+    fn: Callable
+    fut: asyncio.Future | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+@dataclass
 class _Live:
     """Engine-thread bookkeeping of an accepted request."""
 
@@ -95,6 +110,11 @@ def _set_future(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 class RequestStream:
@@ -154,6 +174,8 @@ class AsyncEngine:
         self._stats_interval_s = stats_interval_s
         self._stats_at = float("-inf")
         self.started_at: float | None = None
+        self._hooks: tuple[tuple[Callable[[], None], Callable | None], ...] = ()  # replaced, never mutated
+        self._closed = False  # the engine thread has failed every queued command (guarded by _lock)
 
     # --- static facts of the wrapped engine -----------------------------------------------------
     @property
@@ -220,7 +242,7 @@ class AsyncEngine:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
         ack = loop.create_future()
-        self._cmds.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, self._clock(), ack, loop))
+        self._submit(_Add(request_id, list(prompt_token_ids), params, cache_salt, self._clock(), ack, loop))
         try:
             await ack
         except asyncio.CancelledError:
@@ -242,6 +264,46 @@ class AsyncEngine:
         finally:
             stream.abort()
 
+    # --- running code on the engine thread --------------------------------------------------------
+    async def run_on_engine_thread(self, fn: Callable):
+        """`fn(engine)` run on the engine thread between steps; returns its result or raises its exception
+        (EngineDeadError if the engine is not running). Keep `fn` short: the engine waits for it."""
+        if not self.is_healthy():
+            raise self._dead_error()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._submit(_Call(fn, fut, loop))
+        return await fut
+
+    def call_soon_on_engine_thread(self, fn: Callable) -> None:
+        """Queue `fn(engine)` for the engine thread without waiting (thread-safe); dropped if the engine
+        is not running. Exceptions are logged."""
+        if self.is_healthy():
+            self._submit(_Call(fn))
+
+    def add_engine_hook(self, after_work: Callable[[], None],
+                        on_stop: Callable[[BaseException], None] | None = None) -> Callable[[], None]:
+        """Run `after_work()` on the engine thread after every step (before its outputs are delivered) and
+        after every batch of commands; `on_stop(exc)` once when the engine thread ends. Exceptions from
+        hooks are logged, never fatal. Returns a function that removes the hook (thread-safe)."""
+        entry = (after_work, on_stop)
+        with self._lock:
+            self._hooks = self._hooks + (entry,)
+
+        def remove() -> None:
+            with self._lock:
+                self._hooks = tuple(h for h in self._hooks if h is not entry)
+
+        return remove
+
+    def _submit(self, cmd) -> None:
+        """Queue a command; if the engine thread has already failed the queue, fail it here (no waiting forever)."""
+        with self._lock:
+            self._cmds.put(cmd)
+            closed = self._closed
+        if closed:
+            self._fail_queued(self._dead_error())
+
     def abort(self, request_id: str) -> bool:
         """Abort an in-flight request (thread-safe); returns whether it was in flight."""
         with self._lock:
@@ -257,6 +319,7 @@ class AsyncEngine:
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self._stopping.is_set():
                     break
+                self._run_hooks()
                 if self.engine.has_unfinished_requests():
                     self._step()
                 # Gauges need no per-step precision: refresh at most every stats_interval_s while busy,
@@ -269,7 +332,22 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self._error = e
         finally:
-            self._fail_all(self._dead_error())
+            exc = self._dead_error()
+            for _after, on_stop in self._hooks:
+                if on_stop is not None:
+                    self._call_hook(on_stop, exc)
+            self._fail_all(exc)
+
+    def _run_hooks(self) -> None:
+        for after_work, _on_stop in self._hooks:
+            self._call_hook(after_work)
+
+    @staticmethod
+    def _call_hook(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - a hook must not take the engine down
+            log.exception("engine hook failed")
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -297,6 +375,18 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.on_arrival(cmd.rid, len(cmd.prompt), cmd.arrival)
             _deliver(cmd.loop, _set_future, cmd.ack, None)
+        elif isinstance(cmd, _Call):
+            try:
+                result, exc = cmd.fn(self.engine), None
+            except Exception as e:  # reported to the caller; the engine is fine
+                result, exc = None, e
+            if cmd.fut is None:
+                if exc is not None:
+                    log.error("engine-thread call failed", exc_info=exc)
+            elif exc is not None:
+                _deliver(cmd.loop, _set_future, cmd.fut, exc)
+            else:
+                _deliver(cmd.loop, _set_result, cmd.fut, result)
         elif isinstance(cmd, _Abort):
             if cmd.rid not in self._accepted:
                 with self._lock:
@@ -317,6 +407,7 @@ class AsyncEngine:
         t1 = self._clock()
         if self.metrics is not None:
             self.metrics.on_step(outputs, t0, t1)
+        self._run_hooks()
         for out in outputs:
             if out.request_id not in self._accepted:
                 continue
@@ -346,7 +437,12 @@ class AsyncEngine:
             self._streams.clear()
         for s in streams:
             s._push(exc)
-        # Fail adds that were queued but never handled.
+        with self._lock:  # commands queued from now on are failed by _submit itself
+            self._closed = True
+        self._fail_queued(exc)
+
+    def _fail_queued(self, exc: EngineDeadError) -> None:
+        """Fail adds and calls that were queued but never handled (thread-safe)."""
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -354,6 +450,8 @@ class AsyncEngine:
                 break
             if isinstance(cmd, _Add):
                 _deliver(cmd.loop, _set_future, cmd.ack, exc)
+            elif isinstance(cmd, _Call) and cmd.fut is not None:
+                _deliver(cmd.loop, _set_future, cmd.fut, exc)
 
 
 def _aborted_output(rid: str, live: _Live) -> RequestOutput:

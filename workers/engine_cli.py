@@ -3,6 +3,11 @@
     add_engine_args(parser)                       # --max-model-len, --kv-cache-memory, ...
     served = start_engine(args)                   # LLMEngine + metrics + AsyncEngine (thread started)
     served.async_engine / served.registry / served.model_names
+
+Bad option values exit with a clear message: argparse rejects malformed ones (exit 2, `error: argument
+--block-size: ...`); values only the engine can judge (a prefix-match unit that does not divide the
+block size, a KV budget too small for `--max-model-len`, a missing model directory) make `start_engine`
+raise `EngineConfigError`, a SystemExit whose message `k3serve: error: ...` goes to stderr (exit 1).
 """
 
 from __future__ import annotations
@@ -18,18 +23,38 @@ from dataclasses import dataclass
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+class EngineConfigError(SystemExit):
+    """The engine rejected the options (the message says which); exits the CLI with status 1."""
+
+
 def _memory(value: str) -> int | float:
     """Bytes (int, with optional K/M/G suffix) or a fraction in (0, 1] of free GPU memory."""
     v = value.strip()
     mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(v[-1:].lower())
     try:
         if mult:
-            return int(float(v[:-1]) * mult)
-        if "." in v:
-            return float(v)
-        return int(v)
+            out: int | float = int(float(v[:-1]) * mult)
+        elif "." in v:
+            out = float(v)
+        else:
+            out = int(v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {value!r} (bytes, e.g. 512M, or a fraction)") from None
+    if isinstance(out, float) and not 0 < out <= 1:
+        raise argparse.ArgumentTypeError(f"a fraction of free memory must be in (0, 1], got {value!r}")
+    if isinstance(out, int) and out <= 0:
+        raise argparse.ArgumentTypeError(f"the KV cache size must be positive, got {value!r}")
+    return out
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
 
 
 def _retention(value: str) -> int | str:
@@ -48,14 +73,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in `model` (default: the model directory's name)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (prompt + output)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    g.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per cache page (default: derived from the KDA state page size)")
     g.add_argument("--kv-cache-memory", type=_memory, default=None,
                    help="KV cache bytes (e.g. 256M) on CPU, or a fraction of free memory on CUDA")
     g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--prefix-match-unit", type=int, default=None, help="tokens per prefix-hash unit")
+    g.add_argument("--prefix-match-unit", type=_positive_int, default=None,
+                   help="tokens per prefix-hash unit (must divide the block size)")
     g.add_argument("--prefix-cache-retention-interval", type=_retention, default=0,
                    help="KDA snapshot retention: 0 (boundaries only), N tokens, or 'dense'")
     g.add_argument("--prefix-cache-selective-retention", action="store_true",
@@ -64,7 +91,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
 
@@ -100,7 +127,10 @@ def start_engine(args: argparse.Namespace, model: str) -> ServedEngine:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    engine = LLMEngine.from_args(engine_args_from(args, model))
+    try:
+        engine = LLMEngine.from_args(engine_args_from(args, model))
+    except (ValueError, OSError) as e:  # bad option values, or no usable checkpoint at `model`
+        raise EngineConfigError(f"k3serve: error: {e}") from None
     names = list(args.served_model_name or [engine.served_model_name])
     registry = prometheus_client.CollectorRegistry()
     metrics = EngineMetrics(registry, names[0])

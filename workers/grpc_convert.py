@@ -3,7 +3,10 @@
 * `sampling_to_proto(kwargs)` / `sampling_kwargs_from_proto(msg)`: SamplingParams keyword arguments
   (as made by `openai_protocol.sampling_kwargs`) ⇄ `SamplingParams` message; unset fields stay unset.
 * `deltas_to_proto(deltas)` / `deltas_from_proto(msgs)`: `SeqDelta` ⇄ `SequenceDelta`.
-* `load_to_dict(msg)`: `LoadResponse` → dict with `LLMEngine.stats()`'s keys.
+* `load_to_dict(msg)`: `LoadResponse` → dict with `LLMEngine.stats()`'s keys (+ `kv_event_sequence`).
+* `kv_event_to_proto(ev)` / `kv_event_from_proto(msg)`: a KV event (any object with KVEvent's fields)
+  ⇄ `KvEvent`; `kv_batch_to_proto(sequence, snapshot, events, instance_id)`: one batch → one or more
+  `KvEventBatch` messages of at most `max_events` events each (numbering as in worker.proto).
 """
 
 from __future__ import annotations
@@ -97,4 +100,53 @@ def deltas_from_proto(msgs, *, with_logprobs: bool) -> list[SeqDelta]:
 
 def load_to_dict(msg: pb.LoadResponse) -> dict:
     return {k: getattr(msg, k) for k in ("running", "waiting", "free_pages", "total_pages", "kv_usage",
-                                         "kda_slots_used", "kda_slots_total", "max_model_len", "model", "role")}
+                                         "kda_slots_used", "kda_slots_total", "max_model_len", "model", "role",
+                                         "kv_event_sequence")}
+
+
+_KINDS = {"stored": pb.KvEvent.STORED, "removed": pb.KvEvent.REMOVED}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+MAX_EVENTS_PER_MESSAGE = 4096  # ~120 bytes each: far below gRPC's default 4 MiB message limit
+
+
+def kv_event_to_proto(ev) -> pb.KvEvent:
+    """`ev`: an object with KVEvent's fields (kind "stored"|"removed", block_hash bytes, parent_hash bytes|None,
+    group_id, group_kind "mla"|"kda", num_tokens, block_size)."""
+    try:
+        kind = _KINDS[ev.kind]
+    except KeyError:
+        raise ValueError(f"KV event kind must be 'stored' or 'removed', got {ev.kind!r}") from None
+    m = pb.KvEvent(kind=kind, block_hash=bytes(ev.block_hash), group_id=int(ev.group_id), group_kind=ev.group_kind,
+                   num_tokens=int(ev.num_tokens), block_size=int(ev.block_size))
+    if ev.parent_hash is not None:
+        m.parent_hash = bytes(ev.parent_hash)
+    return m
+
+
+def kv_event_from_proto(msg: pb.KvEvent) -> dict:
+    """A dict with KVEvent's field names (`parent_hash` None when unset)."""
+    if msg.kind not in _KIND_NAMES:
+        raise ValueError(f"KV event kind {msg.kind} is not STORED or REMOVED")
+    return dict(kind=_KIND_NAMES[msg.kind], block_hash=bytes(msg.block_hash),
+                parent_hash=bytes(msg.parent_hash) if msg.HasField("parent_hash") else None,
+                group_id=msg.group_id, group_kind=msg.group_kind, num_tokens=msg.num_tokens, block_size=msg.block_size)
+
+
+def kv_batch_to_proto(sequence: int, snapshot: bool, events: list, instance_id: str,
+                      max_events: int = MAX_EVENTS_PER_MESSAGE) -> list[pb.KvEventBatch]:
+    """Messages for one batch. A snapshot becomes chunks that all carry `sequence`, the last flagged
+    `snapshot_complete` (an empty snapshot is one empty, complete message). A live batch whose events end at
+    `sequence` becomes chunks numbered so that each chunk's `sequence` is the number of its own last event."""
+    if max_events < 1:
+        raise ValueError("max_events must be at least 1")
+    protos = [kv_event_to_proto(e) for e in events]
+    chunks = [protos[i:i + max_events] for i in range(0, len(protos), max_events)] or [[]]
+    out = []
+    first = sequence - len(protos) + 1
+    done = 0
+    for i, chunk in enumerate(chunks):
+        done += len(chunk)
+        seq = sequence if snapshot else first + done - 1
+        out.append(pb.KvEventBatch(sequence=seq, snapshot=snapshot, snapshot_complete=snapshot and i == len(chunks) - 1,
+                                   events=chunk, instance_id=instance_id))
+    return out

@@ -2,10 +2,15 @@
 
     server = await start_grpc_server(async_engine, host="127.0.0.1", port=0, role="both", model_name="k3")
     server.port                      # the bound port
+    server.service.kv_events         # the KvEventHub behind SubscribeKvEvents
     await server.stop(grace=2.0)
 
 Generate streams one GenerateResponse per engine output that changed (deltas; see worker.proto for
 the status codes). A cancelled call aborts the request in the engine.
+
+SubscribeKvEvents streams the snapshot, then live batches, from a `KvEventHub` (workers/kv_events.py);
+a subscriber whose queue overflows (`max_queued_batches`) is ended with RESOURCE_EXHAUSTED, an engine
+that stops ends the stream with UNAVAILABLE; a cancelled call unsubscribes.
 """
 
 from __future__ import annotations
@@ -15,7 +20,13 @@ import logging
 import grpc
 
 from k3serve.workers.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError
-from k3serve.workers.grpc_convert import deltas_to_proto, sampling_kwargs_from_proto
+from k3serve.workers.grpc_convert import (
+    MAX_EVENTS_PER_MESSAGE,
+    deltas_to_proto,
+    kv_batch_to_proto,
+    sampling_kwargs_from_proto,
+)
+from k3serve.workers.kv_events import DEFAULT_MAX_QUEUED_BATCHES, KvEventHub, SubscriberTooSlow
 from k3serve.workers.proto import worker_pb2 as pb
 from k3serve.workers.proto import worker_pb2_grpc as pb_grpc
 from k3serve.workers.sampling_params import SamplingParams, SamplingParamsError
@@ -28,12 +39,16 @@ ROLES = ("both", "prefill", "decode")
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, *, role: str, model_name: str):
+    def __init__(self, engine: AsyncEngine, *, role: str, model_name: str,
+                 max_queued_batches: int = DEFAULT_MAX_QUEUED_BATCHES,
+                 max_events_per_message: int = MAX_EVENTS_PER_MESSAGE):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.engine = engine
         self.role = role
         self.model_name = model_name
+        self.kv_events = KvEventHub(engine, max_queued_batches=max_queued_batches)
+        self.max_events_per_message = max_events_per_message
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
@@ -84,26 +99,54 @@ class WorkerService(pb_grpc.WorkerServicer):
             free_pages=int(s.get("free_pages", 0)), total_pages=int(s.get("total_pages", 0)),
             kv_usage=float(s.get("kv_usage", 0.0)), kda_slots_used=int(s.get("kda_slots_used", 0)),
             kda_slots_total=int(s.get("kda_slots_total", 0)), max_model_len=self.engine.max_model_len,
-            model=self.model_name, role=self.role)
+            model=self.model_name, role=self.role, kv_event_sequence=self.kv_events.last_sequence)
+
+    async def SubscribeKvEvents(self, request: pb.KvEventsRequest, context: grpc.aio.ServicerContext):
+        try:
+            sub = await self.kv_events.subscribe()
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        hub = self.kv_events
+        try:
+            while True:
+                try:
+                    batch = await sub.get()
+                except SubscriberTooSlow as e:
+                    log.warning("dropping a KV-event subscriber: %s", e)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                except EngineDeadError as e:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                for msg in kv_batch_to_proto(batch.sequence, batch.snapshot, batch.events, hub.instance_id,
+                                             self.max_events_per_message):
+                    yield msg
+        finally:
+            sub.close()
 
 
 class GrpcServer:
     """A started grpc.aio server and its bound port."""
 
-    def __init__(self, server: grpc.aio.Server, port: int):
+    def __init__(self, server: grpc.aio.Server, port: int, service: WorkerService):
         self.server = server
         self.port = port
+        self.service = service
 
     async def stop(self, grace: float | None = 2.0) -> None:
         await self.server.stop(grace)
+        self.service.kv_events.close()
 
 
 async def start_grpc_server(engine: AsyncEngine, *, host: str = "127.0.0.1", port: int = 0, role: str = "both",
-                            model_name: str) -> GrpcServer:
+                            model_name: str, max_queued_batches: int = DEFAULT_MAX_QUEUED_BATCHES,
+                            max_events_per_message: int = MAX_EVENTS_PER_MESSAGE) -> GrpcServer:
+    """`max_queued_batches`: KV-event batches a subscriber may fall behind before it is dropped."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_WorkerServicer_to_server(WorkerService(engine, role=role, model_name=model_name), server)
+    service = WorkerService(engine, role=role, model_name=model_name, max_queued_batches=max_queued_batches,
+                            max_events_per_message=max_events_per_message)
+    pb_grpc.add_WorkerServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
+        service.kv_events.close()
         raise OSError(f"could not bind gRPC on {host}:{port}")
     await server.start()
-    return GrpcServer(server, bound)
+    return GrpcServer(server, bound, service)

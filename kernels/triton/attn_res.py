@@ -42,10 +42,12 @@ def _attn_res_kernel(partial_ptr, delta_ptr, blocks_ptr, wn_ptr, wq_ptr, wo_ptr,
     mx = tl.sum(pf * wqn, axis=0) * tl.rsqrt(tl.sum(pf * pf, axis=0) / D + eps)
     acc = pf
     den = 1.0
-    for i in range(n):
-        s = tl.load(brow + i * D + r, mask=m, other=0.0)
+    for i in tl.static_range(NB):  # unrolled so that every source row's load can be in flight at once
+        valid = i < n
+        s = tl.load(brow + i * D + r, mask=m & valid, other=0.0)
         s = tl.where(i == write_idx, pb, s).to(tl.float32)
         logit = tl.sum(s * wqn, axis=0) * tl.rsqrt(tl.sum(s * s, axis=0) / D + eps)
+        logit = tl.where(valid, logit, float("-inf"))
         m_new = tl.maximum(mx, logit)
         a = tl.exp(mx - m_new)
         b = tl.exp(logit - m_new)

@@ -78,14 +78,30 @@ def _diag(qx, kx, G, c0, c1, PREC: tl.constexpr):
 
 
 @triton.jit
-def _inv16(a):
-    """(I + a)^-1 for a strictly lower-triangular 16x16 `a`, by forward substitution (fp32)."""
+def _inv16(a, PREC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower-triangular 16x16 `a` (fp32).
+
+    Exact-arithmetic inputs (PREC == "ieee"): forward substitution. Otherwise the product form
+    (I + a)^-1 = (I + N)(I + N²)(I + N⁴)(I + N⁸), N = -a (N^16 = 0): seven 16x16 fp32 FMA products and no
+    cross-warp reductions; its error on strongly correlated keys stays near 1e-4 relative, far under the
+    bf16 rounding of the stored results.
+    """
     r = tl.arange(0, 16)
-    t = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in tl.static_range(1, 16):
-        row = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)
-        new = -tl.sum(row[:, None] * t, axis=0) + tl.where(r == i, 1.0, 0.0)
-        t = tl.where(r[:, None] == i, new[None, :], t)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    if PREC == "ieee":
+        t = eye
+        for i in tl.static_range(1, 16):
+            row = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)
+            new = -tl.sum(row[:, None] * t, axis=0) + tl.where(r == i, 1.0, 0.0)
+            t = tl.where(r[:, None] == i, new[None, :], t)
+    else:
+        n1 = -a
+        n2 = tl.dot(n1, n1, input_precision="ieee")
+        t = tl.dot(eye + n1, eye + n2, input_precision="ieee")
+        n4 = tl.dot(n2, n2, input_precision="ieee")
+        t = tl.dot(t, eye + n4, input_precision="ieee")
+        n8 = tl.dot(n4, n4, input_precision="ieee")
+        t = tl.dot(t, eye + n8, input_precision="ieee")
     return t
 
 
@@ -122,7 +138,7 @@ def _kda_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, qg_ptr, kd
     G0 = tl.cumsum(g0, axis=0)
     c1 = tl.sum(g0, axis=0)
     a00, p00 = _diag(q0, k0, G0, c0, c1, PREC)
-    t00 = _inv16(a00 * b0[:, None])
+    t00 = _inv16(a00 * b0[:, None], PREC)
     e0 = tl.exp(G0)
     xk0 = tl.dot(t00, b0[:, None] * k0 * e0, input_precision=PREC)
     xv0 = tl.dot(t00, b0[:, None] * v0, input_precision=PREC)
@@ -145,7 +161,7 @@ def _kda_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, qg_ptr, kd
     s1 = tl.exp(G1 - c1[None, :])
     a10 = _offd(k1 * s1, c1, c1, ke0, PREC) * b1[:, None]
     p10 = _offd(q1 * s1, c1, c1, ke0, PREC)
-    t11 = _inv16(a11 * b1[:, None])
+    t11 = _inv16(a11 * b1[:, None], PREC)
     e1 = tl.exp(G1)
     rk1 = b1[:, None] * k1 * e1 - tl.dot(a10.to(DT), xk0, input_precision=PREC)
     rv1 = b1[:, None] * v1 - tl.dot(a10.to(DT), xv0, input_precision=PREC)
@@ -172,7 +188,7 @@ def _kda_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, qg_ptr, kd
     a21 = _offd(k2 * s2, c2, c2, ke1, PREC) * b2[:, None]
     p20 = _offd(q2 * s2, c2, c1, ke0, PREC)
     p21 = _offd(q2 * s2, c2, c2, ke1, PREC)
-    t22 = _inv16(a22 * b2[:, None])
+    t22 = _inv16(a22 * b2[:, None], PREC)
     e2 = tl.exp(G2)
     rk2 = b2[:, None] * k2 * e2 - tl.dot(a20.to(DT), xk0, input_precision=PREC) - tl.dot(a21.to(DT), xk1, input_precision=PREC)
     rv2 = b2[:, None] * v2 - tl.dot(a20.to(DT), xv0, input_precision=PREC) - tl.dot(a21.to(DT), xv1, input_precision=PREC)
@@ -201,7 +217,7 @@ def _kda_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, qg_ptr, kd
     p30 = _offd(q3 * s3, c3, c1, ke0, PREC)
     p31 = _offd(q3 * s3, c3, c2, ke1, PREC)
     p32 = _offd(q3 * s3, c3, c3, ke2, PREC)
-    t33 = _inv16(a33 * b3[:, None])
+    t33 = _inv16(a33 * b3[:, None], PREC)
     e3 = tl.exp(G3)
     rk3 = (b3[:, None] * k3 * e3 - tl.dot(a30.to(DT), xk0, input_precision=PREC)
            - tl.dot(a31.to(DT), xk1, input_precision=PREC) - tl.dot(a32.to(DT), xk2, input_precision=PREC))

@@ -17,7 +17,7 @@ from ._common import next_pow2
 
 @triton.jit
 def _conv_step(x_row_ptr, cw_ptr, cs_ptr, ch, init, W: tl.constexpr, WB: tl.constexpr):
-    """Short conv of one new input over channels `ch`, with SiLU; rolls the conv state of `ch` in place."""
+    """Short conv of one new input over channels `ch`, with SiLU. Returns (y, the rolled conv state of `ch`)."""
     rw = tl.arange(0, WB)
     xn = tl.load(x_row_ptr + ch).to(tl.float32)
     hist_m = (rw[None, :] < W - 1) & (init != 0)
@@ -29,9 +29,13 @@ def _conv_step(x_row_ptr, cw_ptr, cs_ptr, ch, init, W: tl.constexpr, WB: tl.cons
     shifted_m = (rw[None, :] + 1 < W - 1) & (init != 0)
     shifted = tl.load(cs_ptr + ch[:, None] * (W - 1) + rw[None, :] + 1, mask=shifted_m, other=0.0)
     new = tl.where(rw[None, :] == W - 2, xn[:, None].to(shifted.dtype), shifted)
-    tl.store(cs_ptr + ch[:, None] * (W - 1) + rw[None, :], new.to(cs_ptr.dtype.element_ty),
-             mask=rw[None, :] < W - 1)
-    return y
+    return y, new
+
+
+@triton.jit
+def _conv_store(cs_ptr, ch, new, W: tl.constexpr, WB: tl.constexpr):
+    rw = tl.arange(0, WB)
+    tl.store(cs_ptr + ch[:, None] * (W - 1) + rw[None, :], new.to(cs_ptr.dtype.element_ty), mask=rw[None, :] < W - 1)
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -50,11 +54,15 @@ def _kda_decode_kernel(qkv_ptr, cw_ptr, cs_ptr, rg_ptr, alog_ptr, dtb_ptr, bl_pt
             init = tl.load(init_ptr + n).to(tl.int32)
         else:
             init = 0
+        # the first state slice is requested before the conv work so that its latency overlaps it
+        pool_row = pool_ptr + slot * pool_stride + h * V * K
+        rr = tl.arange(0, BR)
+        S_next = tl.load(pool_row + rr[:, None] * K + rk[None, :])
         x_row = qkv_ptr + n.to(tl.int64) * qkv_stride
         cs = cs_ptr + slot * cs_stride
-        q = _conv_step(x_row, cw_ptr, cs, h * K + rk, init, W, WB)
-        k = _conv_step(x_row, cw_ptr, cs, H * K + h * K + rk, init, W, WB)
-        v = _conv_step(x_row, cw_ptr, cs, 2 * H * K + h * V + rv, init, W, WB)
+        q, q_st = _conv_step(x_row, cw_ptr, cs, h * K + rk, init, W, WB)
+        k, k_st = _conv_step(x_row, cw_ptr, cs, H * K + h * K + rk, init, W, WB)
+        v, v_st = _conv_step(x_row, cw_ptr, cs, 2 * H * K + h * V + rv, init, W, WB)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         z = tl.load(rg_ptr + (n.to(tl.int64) * H + h) * K + rk).to(tl.float32)
@@ -66,26 +74,29 @@ def _kda_decode_kernel(qkv_ptr, cw_ptr, cs_ptr, rg_ptr, alog_ptr, dtb_ptr, bl_pt
             g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
         beta = tl.sigmoid(tl.load(bl_ptr + n.to(tl.int64) * H + h).to(tl.float32))
         # The state is walked in BR-row slices (S' k̂ = S (e⊙k̂) and S_new q̂ = S (e⊙q̂) + u (k̂·q̂), so each
-        # slice is read once and written once); unnormalised outputs go through a small fp32 scratch row
-        # so that the per-head RMSNorm can see the whole of o.
-        pool_row = pool_ptr + slot * pool_stride + h * V * K
+        # slice is read once and written once, the next slice's load in flight while this one is
+        # processed); unnormalised outputs go through a small fp32 scratch row so that the per-head
+        # RMSNorm can see the whole of o.
         e = tl.exp(g)
         ek = e * k
         eq = e * q
         kq = tl.sum(k * q, axis=0)
-        rr = tl.arange(0, BR)
         ss = 0.0
         for j in range(0, V, BR):
             rows = j + rr
-            ptrs = pool_row + rows[:, None] * K + rk[None, :]
-            S = tl.load(ptrs).to(tl.float32)
-            S = tl.where(init != 0, S, 0.0)
+            S = tl.where(init != 0, S_next.to(tl.float32), 0.0)
+            S_next = tl.load(pool_row + (rows[:, None] + BR) * K + rk[None, :], mask=(rows[:, None] + BR) < V,
+                             other=0.0)
             vj = tl.sum(tl.where(rv[None, :] == rows[:, None], v[None, :], 0.0), axis=1)
             u = beta * (vj - tl.sum(S * ek[None, :], axis=1))
             o = tl.sum(S * eq[None, :], axis=1) + u * kq
-            tl.store(ptrs, (S * e[None, :] + u[:, None] * k[None, :]).to(pool_ptr.dtype.element_ty))
+            tl.store(pool_row + rows[:, None] * K + rk[None, :],
+                     (S * e[None, :] + u[:, None] * k[None, :]).to(pool_ptr.dtype.element_ty))
             tl.store(scr_ptr + (n.to(tl.int64) * H + h) * V + rows, o)
             ss += tl.sum(o * o, axis=0)
+        _conv_store(cs, h * K + rk, q_st, W, WB)
+        _conv_store(cs, H * K + h * K + rk, k_st, W, WB)
+        _conv_store(cs, 2 * H * K + h * V + rv, v_st, W, WB)
         tl.debug_barrier()
         o = tl.load(scr_ptr + out_off)
         o = o * tl.rsqrt(ss / V + eps) * tl.load(onw_ptr + rv).to(tl.float32)

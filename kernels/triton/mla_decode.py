@@ -71,18 +71,19 @@ def _mla_split_kernel(ql_ptr, qp_ptr, kv_ptr, bt_ptr, sl_ptr, cu_ptr, tseq_ptr, 
 
 
 @triton.jit
-def _mla_merge_kernel(o_ptr, pacc_ptr, pml_ptr, Hh, nhb, L: tl.constexpr, BM: tl.constexpr, NS: tl.constexpr):
+def _mla_merge_kernel(o_ptr, pacc_ptr, pml_ptr, Hh, nhb, L: tl.constexpr, BL: tl.constexpr, BM: tl.constexpr,
+                      NS: tl.constexpr):
     item = tl.program_id(0)
     t = item // nhb
     hb0 = (item % nhb) * BM
     rm = tl.arange(0, BM)
-    rl = tl.arange(0, L)
+    rl = tl.program_id(1) * BL + tl.arange(0, BL)
     heads = hb0 + rm
     m_all = tl.full([BM], -1e30, dtype=tl.float32)
     for s in range(NS):
         pbase = (item.to(tl.int64) * NS + s) * BM + rm
         m_all = tl.maximum(m_all, tl.load(pml_ptr + pbase * 2))
-    acc = tl.zeros([BM, L], dtype=tl.float32)
+    acc = tl.zeros([BM, BL], dtype=tl.float32)
     den = tl.zeros([BM], dtype=tl.float32)
     for s in range(NS):
         pbase = (item.to(tl.int64) * NS + s) * BM + rm
@@ -102,11 +103,13 @@ def supported(q_lat, q_pe, kv_cache, kv_lora_rank) -> bool:
 
 
 def mla_paged_attention_triton(q_lat, q_pe, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, *,
-                               kv_lora_rank, num_splits=None):
+                               kv_lora_rank, num_splits=None, block_n=None, num_stages=3, min_split_keys=256):
     """Triton implementation of `reference.mla_paged_attention` (same arguments and result).
 
-    `num_splits` (optional) fixes the number of KV splits per item; default: enough programs to fill the
-    GPU, each split covering at least 256 keys of the longest possible context.
+    Tuning knobs (not part of the op contract): `num_splits` fixes the number of KV splits per item
+    (default: enough programs for two waves on 132 SMs, each split >= `min_split_keys` keys of the longest
+    possible context, at most 128); `block_n` keys per inner step (default 64 for <= 16 heads a block, else
+    32); `num_stages` software-pipelining depth.
     """
     T, Hh, L = q_lat.shape
     R = q_pe.shape[-1]
@@ -122,11 +125,12 @@ def mla_paged_attention_triton(q_lat, q_pe, kv_cache, block_tables, seq_lens, cu
     tseq = (torch.searchsorted(cu, tok, right=True) - 1).to(torch.int32)
     BM = 16 if Hh <= 16 else 32
     nhb = triton.cdiv(Hh, BM)
+    block_n = block_n or (64 if BM == 16 else 32)
     NI = T * nhb
     bs = kv_cache.shape[1]
     max_ctx = block_tables.shape[1] * bs
     if num_splits is None:
-        num_splits = max(1, min(triton.cdiv(264, NI), triton.cdiv(max_ctx, 256), 64))
+        num_splits = max(1, min(triton.cdiv(264, NI), triton.cdiv(max_ctx, min_split_keys), 128))
     NS = next_pow2(num_splits) if num_splits > 1 else 1
     bt = block_tables.to(dtype=torch.int32)
     sl = seq_lens.to(device=dev, dtype=torch.int32)
@@ -136,8 +140,10 @@ def mla_paged_attention_triton(q_lat, q_pe, kv_cache, block_tables, seq_lens, cu
     nw = 8
     _mla_split_kernel[(NI, NS)](
         ql, qp, kv_cache, bt, sl, cu, tseq, out, pacc, pml, float(scale), kv_cache.stride(0), kv_cache.stride(1),
-        bt.stride(0), Hh, nhb, bs, L=L, R=R, BM=BM, BN=32, NS=NS, SPLIT=split, PREC=dot_precision(q_lat.dtype), num_warps=nw, num_stages=2,
+        bt.stride(0), Hh, nhb, bs, L=L, R=R, BM=BM, BN=block_n, NS=NS, SPLIT=split, PREC=dot_precision(q_lat.dtype),
+        num_warps=nw, num_stages=num_stages,
     )
     if split:
-        _mla_merge_kernel[(NI,)](out, pacc, pml, Hh, nhb, L=L, BM=BM, NS=NS, num_warps=nw)
+        BL = min(L, 128)
+        _mla_merge_kernel[(NI, L // BL)](out, pacc, pml, Hh, nhb, L=L, BL=BL, BM=BM, NS=NS, num_warps=4)
     return out

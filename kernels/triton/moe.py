@@ -111,24 +111,30 @@ def moe_route_triton(router_logits, correction_bias, top_k, *, num_expert_group=
 
 
 @triton.jit
+def _e2m1_bits(c):
+    """FP4 E2M1 nibble codes (int32 0..15) -> the fp32 value, built from bits (no transcendental ops).
+
+    Magnitude code (e, m) = (bits 2..1, bit 0): e == 0 -> 0.5·m, else (1 + m/2)·2^(e-1); bit 3 is the sign.
+    """
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    bits = bits | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp4_tile(w_ptr, s_ptr, e, rn, kh, mask, w_e, w_n, s_e, s_n, DT: tl.constexpr):
     """Dequantize MXFP4 weights rows `rn`, packed columns `kh`: (low nibbles, high nibbles) as DT tiles.
 
-    Low nibble of byte j is element 2j, high nibble element 2j+1; scale byte (2j)//32 = j//16 applies.
+    Low nibble of byte j is element 2j, high nibble element 2j+1; scale byte (2j)//32 = j//16 applies
+    (value 2^(s-127), built as the fp32 with exponent field s; s = 0 gives 0).
     """
     b = tl.load(w_ptr + e * w_e + rn[:, None] * w_n + kh[None, :], mask=mask, other=0).to(tl.int32)
-    sc = tl.load(s_ptr + e * s_e + rn[:, None] * s_n + (kh // 16)[None, :], mask=mask, other=127).to(tl.float32)
-    mult = tl.exp2(sc - 127.0)
-    lo = b & 15
-    hi = b >> 4
-    lo_e = (lo >> 1) & 3
-    hi_e = (hi >> 1) & 3
-    lo_m = (lo & 1).to(tl.float32)
-    hi_m = (hi & 1).to(tl.float32)
-    lo_v = tl.where(lo_e == 0, 0.5 * lo_m, (1.0 + 0.5 * lo_m) * tl.exp2((lo_e - 1).to(tl.float32)))
-    hi_v = tl.where(hi_e == 0, 0.5 * hi_m, (1.0 + 0.5 * hi_m) * tl.exp2((hi_e - 1).to(tl.float32)))
-    lo_v = tl.where((lo & 8) != 0, -lo_v, lo_v) * mult
-    hi_v = tl.where((hi & 8) != 0, -hi_v, hi_v) * mult
+    sc = tl.load(s_ptr + e * s_e + rn[:, None] * s_n + (kh // 16)[None, :], mask=mask, other=127).to(tl.int32)
+    mult = (sc << 23).to(tl.float32, bitcast=True)
+    lo_v = _e2m1_bits(b & 15) * mult
+    hi_v = _e2m1_bits(b >> 4) * mult
     return lo_v.to(DT), hi_v.to(DT)
 
 
@@ -146,20 +152,28 @@ def _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK):
 
 
 @triton.jit
-def _gemm_rows(x_ptr, x_stride, rows, rm, w_ptr, s_ptr, e, rn, mn, KIN, w_e, w_n, s_e, s_n,
-               BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr):
-    """acc[BM, BN] = x[rows, :KIN] @ W_e[rn, :KIN]ᵀ with W dense or MXFP4-packed."""
+def _gemm_rows(x_ptr, x_stride, rows, rm, w_ptr, s_ptr, e, rn, mn, rn2, KIN, w_e, w_n, s_e, s_n,
+               BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr, TWO: tl.constexpr):
+    """acc[BM, BN] = x[rows, :KIN] @ W_e[rn, :KIN]ᵀ (and, if TWO, acc2 for rows rn2) with W dense or MXFP4.
+
+    Both weight row sets stream in the same K loop, so their loads are in flight together.
+    """
     acc = tl.zeros([16, BN], dtype=tl.float32)
+    acc2 = tl.zeros([16, BN], dtype=tl.float32)
     DT = x_ptr.dtype.element_ty
     if FP4:
         rkh = tl.arange(0, BK // 2)
         for k0 in range(0, KIN, BK):
             kh = k0 // 2 + rkh
             km = kh < KIN // 2
-            xe = tl.load(x_ptr + rows[:, None] * x_stride + 2 * kh[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            xo = tl.load(x_ptr + rows[:, None] * x_stride + 2 * kh[None, :] + 1, mask=rm[:, None] & km[None, :],
-                         other=0.0)
+            xm = rm[:, None] & km[None, :]
+            xe = tl.load(x_ptr + rows[:, None] * x_stride + 2 * kh[None, :], mask=xm, other=0.0)
+            xo = tl.load(x_ptr + rows[:, None] * x_stride + 2 * kh[None, :] + 1, mask=xm, other=0.0)
             lo, hi = _fp4_tile(w_ptr, s_ptr, e, rn, kh, mn[:, None] & km[None, :], w_e, w_n, s_e, s_n, DT)
+            if TWO:
+                lo2, hi2 = _fp4_tile(w_ptr, s_ptr, e, rn2, kh, mn[:, None] & km[None, :], w_e, w_n, s_e, s_n, DT)
+                acc2 += tl.dot(xe, tl.trans(lo2), input_precision=PREC)
+                acc2 += tl.dot(xo, tl.trans(hi2), input_precision=PREC)
             acc += tl.dot(xe, tl.trans(lo), input_precision=PREC)
             acc += tl.dot(xo, tl.trans(hi), input_precision=PREC)
     else:
@@ -169,8 +183,12 @@ def _gemm_rows(x_ptr, x_stride, rows, rm, w_ptr, s_ptr, e, rn, mn, KIN, w_e, w_n
             km = kk < KIN
             xt = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             wt = tl.load(w_ptr + e * w_e + rn[:, None] * w_n + kk[None, :], mask=mn[:, None] & km[None, :], other=0.0)
+            if TWO:
+                wt2 = tl.load(w_ptr + e * w_e + rn2[:, None] * w_n + kk[None, :], mask=mn[:, None] & km[None, :],
+                              other=0.0)
+                acc2 += tl.dot(xt, tl.trans(wt2.to(DT)), input_precision=PREC)
             acc += tl.dot(xt, tl.trans(wt.to(DT)), input_precision=PREC)
-    return acc
+    return acc, acc2
 
 
 @triton.jit
@@ -183,9 +201,8 @@ def _moe_gemm1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, w_ptr, s_ptr, h_ptr,
     if st >= 0:
         rn = nt * BN + tl.arange(0, BN)
         mn = rn < I
-        g = _gemm_rows(z_ptr, z_stride, tok, rm, w_ptr, s_ptr, e, rn, mn, DIN, w_e, w_n, s_e, s_n, BN, BK, FP4, PREC)
-        u = _gemm_rows(z_ptr, z_stride, tok, rm, w_ptr, s_ptr, e, rn + I, mn, DIN, w_e, w_n, s_e, s_n, BN, BK, FP4,
-                       PREC)
+        g, u = _gemm_rows(z_ptr, z_stride, tok, rm, w_ptr, s_ptr, e, rn, mn, rn + I, DIN, w_e, w_n, s_e, s_n, BN, BK,
+                          FP4, PREC, True)
         if SITU:
             g = situ_beta * (2.0 * tl.sigmoid(2.0 * g / situ_beta) - 1.0) * tl.sigmoid(g)
             if HAS_LIN:
@@ -206,8 +223,8 @@ def _moe_gemm2_kernel(h_ptr, sid_ptr, order_ptr, start_ptr, w_ptr, s_ptr, tw_ptr
     if st >= 0:
         rn = nt * BN + tl.arange(0, BN)
         mn = rn < DOUT
-        acc = _gemm_rows(h_ptr, I, r.to(tl.int64), rm, w_ptr, s_ptr, e, rn, mn, I, w_e, w_n, s_e, s_n, BN, BK, FP4,
-                         PREC)
+        acc, _ = _gemm_rows(h_ptr, I, r.to(tl.int64), rm, w_ptr, s_ptr, e, rn, mn, rn, I, w_e, w_n, s_e, s_n, BN,
+                            BK, FP4, PREC, False)
         wt = tl.load(tw_ptr + pair, mask=rm, other=0.0).to(tl.float32)
         tl.atomic_add(out_ptr + tok[:, None] * DOUT + rn[None, :], acc * wt[:, None], mask=rm[:, None] & mn[None, :])
 
@@ -269,14 +286,14 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     hdt = zc.dtype
     h = torch.empty(P, I, dtype=hdt, device=dev)
     prec = dot_precision(zc.dtype)
-    BN1 = min(64, max(16, next_pow2(I)))
+    BN1 = min(32, max(16, next_pow2(I)))
     _moe_gemm1_kernel[(P, triton.cdiv(I, BN1))](
         zc, sid, order, starts, W1, S1, h, P, DIN, I, TOPK, zc.stride(0), W1.stride(0), W1.stride(1),
         S1.stride(0) if fp4_1 else 0, S1.stride(1) if fp4_1 else 0, float(situ_beta),
         float(situ_linear_beta or 1.0), BN=BN1, BK=128 if DIN >= 128 else max(32, next_pow2(DIN)), FP4=fp4_1,
         SITU=activation == "situ", HAS_LIN=situ_linear_beta is not None, PREC=prec, num_warps=8,
     )
-    BN2 = min(64, max(16, next_pow2(DOUT)))
+    BN2 = min(32, max(16, next_pow2(DOUT)))
     tw = topk_weights.reshape(-1).contiguous()
     _moe_gemm2_kernel[(P, triton.cdiv(DOUT, BN2))](
         h, sid, order, starts, W2, S2, tw, out, P, I, DOUT, TOPK, W2.stride(0), W2.stride(1),

@@ -3,8 +3,9 @@
 Plain kmock 0.8 never sets metadata.resourceVersion / uid / creationTimestamp / generation and
 ignores generateName; kopf's finalizer JSON patch tests resourceVersion and its Events use
 generateName. `K3Emulator` fills those in, answers a failed JSON-patch `test` with HTTP 422 as a real
-API server does, and bounds kmock's request history (matching cost grows with it). `EmulatorThread` runs it on 127.0.0.1 in a background
-event loop so synchronous tests and a `k3serve operator run` subprocess can both talk to it.
+API server does, and bounds kmock's request history (matching cost grows with it).
+`EmulatorThread` runs it on 127.0.0.1 in a background event loop so synchronous tests and a
+`k3serve operator run` subprocess can both talk to it.
 
 Still not emulated (see shared design notes): garbage collection of owned objects, label selectors,
 admission/validation/defaulting, controllers (no Pods, no status on children), strategic merge.
@@ -44,7 +45,7 @@ class K3Emulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request):  # type: ignore[override]
         if len(self._requests) > 2 * self.HISTORY:
-            del self._requests[:-self.HISTORY]
+            del self._requests[: -self.HISTORY]
         if request.resource is not None and request.data is not None:
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._stamp_create(request)
@@ -58,8 +59,12 @@ class K3Emulator(kmock.KubernetesEmulator):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         if request.namespace and not meta.get("namespace"):
             meta["namespace"] = request.namespace
-        meta.update(uid=str(uuid.uuid4()), resourceVersion=str(next(self._versions)),
-                    creationTimestamp=_now(), generation=1)
+        meta.update(
+            uid=str(uuid.uuid4()),
+            resourceVersion=str(next(self._versions)),
+            creationTimestamp=_now(),
+            generation=1,
+        )
 
     def _stamp_update(self, request) -> None:
         key = (request.resource, request.namespace, request.name)
@@ -76,11 +81,11 @@ class K3Emulator(kmock.KubernetesEmulator):
         elif isinstance(request.data, list):
             self._check_json_patch_tests(current, request.data)
             touches_spec = request.subresource is None and any(
-                str(op.get("path", "")).startswith("/spec") for op in request.data if isinstance(op, dict))
+                str(op.get("path", "")).startswith("/spec") for op in request.data if isinstance(op, dict)
+            )
             request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
             if touches_spec:
                 request.data.append({"op": "add", "path": "/metadata/generation", "value": generation + 1})
-
 
     @staticmethod
     def _check_json_patch_tests(current, ops: list) -> None:
@@ -93,23 +98,39 @@ class K3Emulator(kmock.KubernetesEmulator):
         try:
             jsonpatch.apply_patch(copy.deepcopy(dict(current.raw)), tests)
         except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPointerException) as e:
-            raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the JSON patch test failed: {e}") from e
+            raise kmock.KubernetesError(
+                status=422, reason="Invalid", message=f"the JSON patch test failed: {e}"
+            ) from e
 
 
-def declare_resources(emulator: kmock.KubernetesEmulator, *, lws: bool = False, podmonitor: bool = False) -> None:
+def declare_resources(
+    emulator: kmock.KubernetesEmulator, *, lws: bool = False, podmonitor: bool = False
+) -> None:
     """Built-in kinds, the KimiK3Deployment CRD, and optionally the LeaderWorkerSet/PodMonitor CRDs."""
     emulator.resources.load_bundled()
     emulator.resources[f"{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}"] = kmock.ResourceInfo(
-        kind=crd.KIND, singular=crd.SINGULAR, namespaced=True, shortnames=crd.SHORT_NAMES,
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status", "scale"})
+        kind=crd.KIND,
+        singular=crd.SINGULAR,
+        namespaced=True,
+        shortnames=crd.SHORT_NAMES,
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+        subresources={"status", "scale"},
+    )
     if lws:
         emulator.resources["leaderworkerset.x-k8s.io/v1/leaderworkersets"] = kmock.ResourceInfo(
-            kind="LeaderWorkerSet", singular="leaderworkerset", namespaced=True,
-            verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status", "scale"})
+            kind="LeaderWorkerSet",
+            singular="leaderworkerset",
+            namespaced=True,
+            verbs={"get", "list", "watch", "create", "patch", "delete"},
+            subresources={"status", "scale"},
+        )
     if podmonitor:
         emulator.resources["monitoring.coreos.com/v1/podmonitors"] = kmock.ResourceInfo(
-            kind="PodMonitor", singular="podmonitor", namespaced=True,
-            verbs={"get", "list", "watch", "create", "patch", "delete"})
+            kind="PodMonitor",
+            singular="podmonitor",
+            namespaced=True,
+            verbs={"get", "list", "watch", "create", "patch", "delete"},
+        )
 
 
 class EmulatorThread:
@@ -159,11 +180,17 @@ class EmulatorThread:
 
     def kubeconfig(self, path: str, namespace: str = "default") -> str:
         config = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "emulator",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
             "users": [{"name": "emulator", "user": {"token": "emulator-token"}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator",
-                                                          "namespace": namespace}}],
+            "contexts": [
+                {
+                    "name": "emulator",
+                    "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace},
+                }
+            ],
         }
         with open(path, "w", encoding="utf-8") as f:
             yaml.safe_dump(config, f)
@@ -180,16 +207,21 @@ class EmulatorThread:
 
     def resources_of(self, namespace: str, resources: Iterable[str]) -> dict[tuple[str, str], dict]:
         """{(kind, name): object} over several resources in one namespace."""
-        return {(obj.get("kind") or res, obj["metadata"]["name"]): obj for res, obj in self._select(resources, namespace)}
+        return {
+            (obj.get("kind") or res, obj["metadata"]["name"]): obj
+            for res, obj in self._select(resources, namespace)
+        }
 
     def purge(self, namespace: str) -> int:
         """Forget every object of a namespace at once (what deleting the namespace and garbage
         collection would do); emits no watch events. Returns how many objects were dropped."""
+
         async def drop() -> int:
             keys = [key for key in list(self.emulator.objects.keys()) if key[1] == namespace]
             for key in keys:
                 del self.emulator.objects[key]
             return len(keys)
+
         return self._call(drop())
 
     def _select(self, resources: Iterable[str], namespace: str | None) -> list[tuple[str, dict]]:
@@ -201,4 +233,5 @@ class EmulatorThread:
                 if res in targets and not obj.deleted and (namespace is None or ns == namespace):
                     out.append((targets[res], copy.deepcopy(dict(obj.raw))))
             return out
+
         return self._call(snapshot())

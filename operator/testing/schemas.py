@@ -12,84 +12,152 @@ _INT_OR_STRING = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"
 _DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
 _LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
 _LABEL_SELECTOR = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {
         "matchLabels": _LABELS,
-        "matchExpressions": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False, "required": ["key", "operator"],
-            "properties": {"key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                           "values": {"type": "array", "items": {"type": "string"}}}}},
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["key", "operator"],
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
     },
 }
-_METADATA = {"type": "object", "required": ["name"],
-             "properties": {"name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
-                            "namespace": {"type": "string"}}}
-_NAMESPACE_SELECTOR = {"type": "object", "additionalProperties": False,
-                       "properties": {"any": {"type": "boolean"},
-                                      "matchNames": {"type": "array", "items": {"type": "string"}}}}
+_METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "namespace": {"type": "string"},
+    },
+}
+_NAMESPACE_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
+}
 
 
 def _resource(api_version: str, kind: str, spec: dict) -> dict:
     return {
-        "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {"apiVersion": {"const": api_version}, "kind": {"const": kind}, "metadata": _METADATA,
-                       "spec": spec, "status": {"type": "object"}},
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": api_version},
+            "kind": {"const": kind},
+            "metadata": _METADATA,
+            "spec": spec,
+            "status": {"type": "object"},
+        },
     }
 
 
-LEADER_WORKER_SET = _resource("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", {
-    "type": "object", "additionalProperties": False, "required": ["leaderWorkerTemplate"],
-    "properties": {
-        "replicas": {"type": "integer", "minimum": 0},
-        "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
-        "leaderWorkerTemplate": {
-            "type": "object", "additionalProperties": False, "required": ["workerTemplate"],
-            "properties": {
-                "size": {"type": "integer", "minimum": 1},
-                "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "None"]},
-                "leaderTemplate": {"type": "object"},  # a PodTemplateSpec, validated separately
-                "workerTemplate": {"type": "object"},
+LEADER_WORKER_SET = _resource(
+    "leaderworkerset.x-k8s.io/v1",
+    "LeaderWorkerSet",
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["leaderWorkerTemplate"],
+        "properties": {
+            "replicas": {"type": "integer", "minimum": 0},
+            "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+            "leaderWorkerTemplate": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["workerTemplate"],
+                "properties": {
+                    "size": {"type": "integer", "minimum": 1},
+                    "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "None"]},
+                    "leaderTemplate": {"type": "object"},  # a PodTemplateSpec, validated separately
+                    "workerTemplate": {"type": "object"},
+                },
+            },
+            "rolloutStrategy": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "type": {"enum": ["RollingUpdate"]},
+                    "rollingUpdateConfiguration": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"maxUnavailable": _INT_OR_STRING, "maxSurge": _INT_OR_STRING},
+                    },
+                },
+            },
+            "networkConfig": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {"subdomainPolicy": {"enum": ["Shared", "UniquePerReplica"]}},
             },
         },
-        "rolloutStrategy": {
-            "type": "object", "additionalProperties": False,
-            "properties": {
-                "type": {"enum": ["RollingUpdate"]},
-                "rollingUpdateConfiguration": {"type": "object", "additionalProperties": False,
-                                               "properties": {"maxUnavailable": _INT_OR_STRING,
-                                                              "maxSurge": _INT_OR_STRING}},
+    },
+)
+
+POD_MONITOR = _resource(
+    "monitoring.coreos.com/v1",
+    "PodMonitor",
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["selector"],
+        "properties": {
+            "selector": _LABEL_SELECTOR,
+            "namespaceSelector": _NAMESPACE_SELECTOR,
+            "jobLabel": {"type": "string"},
+            "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+            "podMetricsEndpoints": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "port": {"type": "string"},
+                        "path": {"type": "string", "pattern": "^/"},
+                        "interval": _DURATION,
+                        "scheme": {"enum": ["http", "https"]},
+                    },
+                },
             },
         },
-        "networkConfig": {"type": "object", "additionalProperties": False,
-                          "properties": {"subdomainPolicy": {"enum": ["Shared", "UniquePerReplica"]}}},
     },
-})
+)
 
-POD_MONITOR = _resource("monitoring.coreos.com/v1", "PodMonitor", {
-    "type": "object", "additionalProperties": False, "required": ["selector"],
-    "properties": {
-        "selector": _LABEL_SELECTOR,
-        "namespaceSelector": _NAMESPACE_SELECTOR,
-        "jobLabel": {"type": "string"},
-        "podTargetLabels": {"type": "array", "items": {"type": "string"}},
-        "podMetricsEndpoints": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"port": {"type": "string"}, "path": {"type": "string", "pattern": "^/"},
-                           "interval": _DURATION, "scheme": {"enum": ["http", "https"]}}}},
+SERVICE_MONITOR = _resource(
+    "monitoring.coreos.com/v1",
+    "ServiceMonitor",
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["selector"],
+        "properties": {
+            "selector": _LABEL_SELECTOR,
+            "namespaceSelector": _NAMESPACE_SELECTOR,
+            "jobLabel": {"type": "string"},
+            "endpoints": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "port": {"type": "string"},
+                        "path": {"type": "string", "pattern": "^/"},
+                        "interval": _DURATION,
+                        "scheme": {"enum": ["http", "https"]},
+                    },
+                },
+            },
+        },
     },
-})
-
-SERVICE_MONITOR = _resource("monitoring.coreos.com/v1", "ServiceMonitor", {
-    "type": "object", "additionalProperties": False, "required": ["selector"],
-    "properties": {
-        "selector": _LABEL_SELECTOR,
-        "namespaceSelector": _NAMESPACE_SELECTOR,
-        "jobLabel": {"type": "string"},
-        "endpoints": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"port": {"type": "string"}, "path": {"type": "string", "pattern": "^/"},
-                           "interval": _DURATION, "scheme": {"enum": ["http", "https"]}}}},
-    },
-})
+)
 
 BY_KIND = {"LeaderWorkerSet": LEADER_WORKER_SET, "PodMonitor": POD_MONITOR, "ServiceMonitor": SERVICE_MONITOR}

@@ -26,8 +26,11 @@ def _schema_errors(obj: dict, schema: dict) -> list[str]:
     import jsonschema
 
     validator = jsonschema.Draft7Validator(schema)
-    return [f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}: "
-            f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)]
+    return [
+        f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}: "
+        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+        for e in validator.iter_errors(obj)
+    ]
 
 
 def errors(obj: dict, version: str = KUBERNETES_VERSION) -> list[str]:
@@ -44,9 +47,17 @@ def errors(obj: dict, version: str = KUBERNETES_VERSION) -> list[str]:
             lwt = obj["spec"]["leaderWorkerTemplate"]
             for part in ("leaderTemplate", "workerTemplate"):
                 if part in lwt:
-                    out += _kv_errors({"apiVersion": "v1", "kind": "PodTemplate",
-                                       "metadata": {"name": f"{obj['metadata']['name']}-{part.lower()}",
-                                                    "namespace": obj["metadata"].get("namespace", "default")},
-                                       "template": lwt[part]}, version)
+                    out += _kv_errors(
+                        {
+                            "apiVersion": "v1",
+                            "kind": "PodTemplate",
+                            "metadata": {
+                                "name": f"{obj['metadata']['name']}-{part.lower()}",
+                                "namespace": obj["metadata"].get("namespace", "default"),
+                            },
+                            "template": lwt[part],
+                        },
+                        version,
+                    )
         return out
     return _kv_errors(obj, version)

@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/k3serve.worker.v1.Worker/SubscribeKvEvents',
+                request_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -83,6 +88,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventsRequest.FromString,
+                    response_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Worker:
             '/k3serve.worker.v1.Worker/GetLoad',
             k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadRequest.SerializeToString,
             k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/k3serve.worker.v1.Worker/SubscribeKvEvents',
+            k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
+            k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

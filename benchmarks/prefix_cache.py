@@ -1,0 +1,248 @@
+"""Prefix caching on the hybrid (KDA + MLA) cache under eviction pressure: one table, one run.
+
+    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/prefix_cache.py [--sessions 16] [--turns 6] [--quick]
+        [--budget-frac 1.0] [--interval 64] [--unit 16] [--max-num-seqs 8] [--model DIR]
+
+A synthetic agentic trace (`_agentic_trace.py`: every session starts with the same system prompt +
+tool list; each turn replays the previous prompt, the model's reply and new text) runs through the
+tiny model (float32, CPU, greedy, `--output-tokens` per turn) once per cache configuration. Turn t of
+every session is submitted at once, as an agent fleet would, and the engine is stepped until all of
+them finish. Every configuration gets the same KV budget (blocks), `--budget-frac` of the trace's
+working set (every session's final MLA pages + one KDA snapshot each), so it must evict.
+
+Columns: token hit rate (prompt tokens served from the cache / prompt tokens, at first admission),
+its ratio to the `dense/lru` row, prefill tokens computed (recomputation after preemption included)
+and their ratio to caching off, peak KDA snapshot memory (cached "kda" blocks x page_bytes x
+group_size, sampled after every engine step), snapshots stored, cached blocks evicted (all kinds /
+KDA), preemptions, wall time (adding requests + engine steps) and its ratio to caching off, and
+tokens==off: whether every turn of every session produced the same greedy tokens as caching off.
+The script exits 1 when any tokens==off is False (a prefix cache must not change outputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _agentic_trace import AgenticTrace, make_trace  # noqa: E402
+from _util import print_table  # noqa: E402
+
+from k3serve.workers.llm import LLM  # noqa: E402
+from k3serve.workers.sampling_params import SamplingParams  # noqa: E402
+
+HEADERS = ["config", "hit%", "hit/dense", "prefill computed", "computed/off", "peak KDA MiB", "snaps stored",
+           "evicted", "evicted KDA", "preempt", "wall s", "wall/off", "tokens==off"]
+DENSE_LABEL = "dense/lru"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """One row: `label`, what it means, and the LLM(...) cache kwargs it runs with."""
+
+    label: str
+    meaning: str
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    """What one configuration measured; `outputs[s][t]` are the greedy tokens of turn t of session s."""
+
+    stats: dict
+    outputs: list[list[list[int]]]
+    peak_kda_bytes: int
+    wall_s: float
+
+
+def cache_configs(unit: int, interval: int, block_size: int) -> list[CacheConfig]:
+    """The rows, in table order (caching off first: the other rows' ratios refer to it)."""
+    rows = [CacheConfig("off", "prefix caching off: every prompt token is computed",
+                        dict(enable_prefix_caching=False))]
+    rows.append(CacheConfig(
+        "vllm-style/lru", f"KV-centric as vLLM does it: hash unit = block ({block_size}), KDA state at every "
+        "block boundary, hits only at block boundaries",
+        dict(enable_prefix_caching=True, prefix_match_unit=block_size, prefix_cache_retention_interval="dense",
+             prefix_cache_eviction="lru")))
+    policies = [
+        ("dense", f"KV-centric analogue: KDA snapshot at every block boundary ({block_size}) + prompt end",
+         dict(prefix_cache_retention_interval="dense")),
+        (f"interval-{interval}", f"KDA snapshot every {interval} tokens + prompt end",
+         dict(prefix_cache_retention_interval=interval)),
+        ("prompt-end", "KDA snapshot only at each prompt's replay boundary",
+         dict(prefix_cache_retention_interval=0)),
+        ("prompt-end+marconi", "prompt end + Marconi junctions (snapshot a shared prefix on its second hit)",
+         dict(prefix_cache_retention_interval=0, prefix_cache_selective_retention=True)),
+    ]
+    for name, meaning, kw in policies:
+        for ev, ev_name in (("lru", "LRU"), ("compute-per-byte", "compute-per-byte")):
+            tag = "lru" if ev == "lru" else "cpb"
+            rows.append(CacheConfig(f"{name}/{tag}", f"{meaning}; {ev_name} eviction",
+                                    dict(enable_prefix_caching=True, prefix_match_unit=unit,
+                                         prefix_cache_eviction=ev, **kw)))
+    return rows
+
+
+def running_reserve_blocks(concurrency: int, kda_groups: int) -> int:
+    """Blocks running requests hold beyond the cached working set: per request, its running KDA state
+    (one block per KDA group), a new snapshot written while its previous one is still cached, and a
+    copy-on-write MLA tail page."""
+    return concurrency * (2 * kda_groups + 1)
+
+
+def kda_snapshot_blocks(pool) -> int:
+    """Blocks of the pool that hold a cached KDA snapshot (each carries exactly one key)."""
+    return len({b.block_id for b in pool.cached.values() if b.kind == "kda"})
+
+
+def run_trace(llm: LLM, trace: AgenticTrace) -> RunResult:
+    """Drive `trace` through `llm.engine` turn by turn, sampling KDA snapshot memory after every step."""
+    eng = llm.engine
+    block_bytes = eng.layout.page_bytes * eng.layout.group_size
+    S, T = trace.num_sessions, trace.num_turns
+    outputs: list[list[list[int]]] = [[[] for _ in range(T)] for _ in range(S)]
+    prompts: list[list[int] | None] = [None] * S
+    peak = 0
+    busy = 0.0
+    for t in range(T):
+        pending: dict[str, int] = {}
+        t0 = time.perf_counter()
+        for s in range(S):
+            prompts[s] = trace.prompt(s, t, prompts[s], outputs[s][t - 1] if t else None)
+            rid = f"s{s}-t{t}"
+            sp = SamplingParams(temperature=0.0, max_tokens=trace.output_tokens, ignore_eos=True)
+            eng.add_request(rid, prompts[s], sp)
+            pending[rid] = s
+        busy += time.perf_counter() - t0
+        while pending:
+            t0 = time.perf_counter()
+            outs = eng.step()
+            busy += time.perf_counter() - t0
+            for out in outs:
+                if out.finished and out.request_id in pending:
+                    outputs[pending.pop(out.request_id)][t] = list(out.outputs[0].token_ids)
+            peak = max(peak, kda_snapshot_blocks(eng.pool) * block_bytes)
+    stats = eng.stats()
+    stats["evicted"] = eng.pool.num_evicted
+    return RunResult(stats, outputs, peak, busy)
+
+
+def _ratio(a: float, b: float) -> float | str:
+    return a / b if b else "n/a"
+
+
+def table_rows(configs: list[CacheConfig], results: dict[str, RunResult]) -> list[list]:
+    off = results["off"]
+    dense = results.get(DENSE_LABEL)
+
+    def hit_rate(r: RunResult) -> float:
+        q = r.stats["prefix_cache_queries"]
+        return r.stats["prefix_cache_hits"] / q if q else 0.0
+
+    rows = []
+    for c in configs:
+        r = results[c.label]
+        st = r.stats
+        rows.append([
+            c.label, 100.0 * hit_rate(r), _ratio(hit_rate(r), hit_rate(dense)) if dense else "n/a",
+            st["prefill_tokens_computed"], _ratio(st["prefill_tokens_computed"], off.stats["prefill_tokens_computed"]),
+            r.peak_kda_bytes / 2**20, st["kda_snapshots_stored"], st["evicted"], st["kda_snapshots_evicted"],
+            st["num_preemptions"], r.wall_s, _ratio(r.wall_s, off.wall_s), r.outputs == off.outputs,
+        ])
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="small trace (defaults 4 sessions x 3 turns, shorter texts) for smoke runs")
+    ap.add_argument("--sessions", type=int, default=None, help="sessions (default 16; --quick 4)")
+    ap.add_argument("--turns", type=int, default=None, help="turns per session (default 6; --quick 3)")
+    ap.add_argument("--shared-len", type=int, default=None,
+                    help="system prompt + tool list tokens (default 256; --quick 96)")
+    ap.add_argument("--new-min", type=int, default=None, help="min new tokens per turn (default 32; --quick 16)")
+    ap.add_argument("--new-max", type=int, default=None, help="max new tokens per turn (default 96; --quick 48)")
+    ap.add_argument("--output-tokens", type=int, default=4, help="greedy tokens generated per turn")
+    ap.add_argument("--budget-frac", type=float, default=1.0,
+                    help="KV budget as a fraction of the trace's working set (default 1.0)")
+    ap.add_argument("--unit", type=int, default=16, help="prefix_match_unit of the unit-hashed rows")
+    ap.add_argument("--interval", type=int, default=64, help="N of the interval-N retention rows")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0, help="trace seed")
+    ap.add_argument("--model", default=None, help="model directory (default: the tiny preset, generated once)")
+    args = ap.parse_args(argv)
+    small = dict(sessions=4, turns=3, shared_len=96, new_min=16, new_max=48)
+    full = dict(sessions=16, turns=6, shared_len=256, new_min=32, new_max=96)
+    for k, v in (small if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    if args.model is None:
+        from k3serve.workers.model.paths import ensure_tiny_model
+
+        args.model = str(ensure_tiny_model())
+    trace = make_trace(args.sessions, args.turns, args.shared_len, args.new_min, args.new_max,
+                       args.output_tokens, seed=args.seed)
+    max_len = trace.max_length() + 16
+    common = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, max_model_len=max_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+    # warm-up on a throwaway engine (first-call costs must not land on the first row) + the layout
+    warm = LLM(args.model, **common)
+    warm.generate([trace.shared[:32] or [11]], SamplingParams(temperature=0.0, max_tokens=2))
+    layout = warm.engine.layout
+    del warm
+    B, block_bytes, n_kda = layout.block_size, layout.bytes_per_block, len(layout.kda_groups)
+    working_set = trace.working_set_blocks(B, n_kda)
+    concurrency = min(trace.num_sessions, args.max_num_seqs)
+    reserve = running_reserve_blocks(concurrency, n_kda)
+    min_blocks = layout.min_blocks_for(max_len, True) - 1
+    budget_blocks = max(math.ceil(args.budget_frac * working_set) + reserve, min_blocks)
+    kv_bytes = (budget_blocks + 1) * block_bytes  # + the null block
+
+    print("command: PYTHONSAFEPATH=1 " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
+    print(f"trace: {trace.num_sessions} sessions x {trace.num_turns} turns, shared prefix {len(trace.shared)} "
+          f"tokens, {args.new_min}-{args.new_max} new tokens + {trace.output_tokens} output tokens per turn, "
+          f"{trace.total_prompt_tokens()} prompt tokens in all, longest sequence {trace.max_length()}")
+    print(f"model: {args.model} (float32, CPU, greedy); block_size {B}, page {layout.page_bytes} B x "
+          f"{layout.group_size} layers = {block_bytes} B per block; a KDA snapshot = {n_kda} blocks")
+    print(f"budget: kv_cache_memory={kv_bytes} B ({kv_bytes / 2**20:.2f} MiB) = {budget_blocks} usable blocks "
+          f"= {args.budget_frac:g} x the working set of {working_set} blocks (every session's final MLA pages "
+          f"+ one KDA snapshot each) + {reserve} blocks for {concurrency} running requests; max_num_seqs "
+          f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}", flush=True)
+
+    configs = cache_configs(args.unit, args.interval, B)
+    results: dict[str, RunResult] = {}
+    for c in configs:
+        llm = LLM(args.model, kv_cache_memory=kv_bytes, **common, **c.kwargs)
+        results[c.label] = run_trace(llm, trace)
+        del llm
+    print()
+    print_table(HEADERS, table_rows(configs, results))
+    print()
+    print("rows:")
+    for c in configs:
+        print(f"  {c.label}: {c.meaning}")
+    print(f"ratios: hit/dense vs the {DENSE_LABEL} row; computed/off and wall/off vs the off row")
+    bad = [c.label for c in configs if results[c.label].outputs != results["off"].outputs]
+    if bad:
+        print(f"ERROR: greedy outputs differ from caching off for: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

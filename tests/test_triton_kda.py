@@ -1,0 +1,111 @@
+"""Triton KDA kernels under the CPU interpreter: chunked prefill, token-serial path, fused decode step."""
+
+import _triton_cpu  # noqa: F401  (sets TRITON_INTERPRET=1 first)
+import pytest
+import torch
+from _triton_cpu import cu_of, rel
+from k3serve.kernels import reference as R
+from k3serve.kernels.triton.kda_chunk import ChunkPlan, kda_chunked_triton
+from k3serve.kernels.triton.kda_decode import kda_decode_triton
+from k3serve.kernels.triton.kda_recurrent import kda_recurrent_triton
+
+H, K, V = 2, 16, 32
+
+
+def inputs(lens, seed, lower_bound=-5.0, a_log_scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    q, k = torch.randn(T, H, K, generator=g), torch.randn(T, H, K, generator=g)
+    v = torch.randn(T, H, V, generator=g)
+    gg = R.kda_gate(torch.randn(T, H, K, generator=g), torch.randn(H, generator=g) * a_log_scale,
+                    torch.randn(H * K, generator=g), lower_bound)
+    beta = torch.sigmoid(torch.randn(T, H, generator=g))
+    return q, k, v, gg, beta
+
+
+def test_chunk_plan_cuts_at_checkpoints():
+    plan = ChunkPlan([0, 70, 70, 75], [3, 4, -1], {0: [(5, 9), (64, 8), (70, 7), (70, 6)]}, torch.device("cpu"))
+    assert plan.chunk_start.tolist() == [0, 5, 64, 70]
+    assert plan.chunk_len.tolist() == [5, 59, 6, 5]
+    assert plan.chunk_ckpt.tolist() == [9, 8, 7, -1]
+    assert plan.seq_first.tolist() == [0, 3, 3, 4]
+    assert plan.extra_copies == [(7, 6)]
+
+
+@pytest.mark.parametrize("lower_bound,a_log_scale", [(-5.0, 0.5), (None, 0.5), (None, 6.0)])
+def test_chunked_matches_reference(lower_bound, a_log_scale):
+    # ragged, a zero-length and a padded sequence, slot reuse, checkpoints mid-chunk / at chunk ends / at
+    # the end; a_log_scale 6 makes decays strong enough for the exact pairwise diagonal path
+    lens = [70, 13, 0, 1, 130]
+    q, k, v, gg, beta = inputs(lens, 1, lower_bound, a_log_scale)
+    pool = torch.randn(12, H, V, K)
+    si = torch.tensor([6, 2, 4, -1, 7])
+    init = torch.tensor([True, False, True, False, True])
+    ck = dict(checkpoint_seq=torch.tensor([0, 0, 4, 4, 1]), checkpoint_offsets=torch.tensor([3, 64, 100, 130, 13]),
+              checkpoint_slots=torch.tensor([1, 3, 5, 8, 9]))
+    ref_pool = pool.double()
+    ref = R.kda_chunked(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu_of(lens),
+                        init, **ck)
+    out = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu_of(lens), init, **ck)
+    assert rel(out, ref) < 1e-5
+    assert rel(pool, ref_pool) < 1e-5
+    assert torch.equal(pool[[0, 10, 11]], pool[[0, 10, 11]])  # untouched slots keep their values
+
+
+def test_chunked_bf16_product_form_inverse():
+    lens = [100, 50]
+    q, k, v, gg, beta = inputs(lens, 2)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    pool = torch.randn(2, H, V, K)
+    si, init = torch.tensor([0, 1]), torch.tensor([True, False])
+    ref_pool = pool.double()
+    ref = R.kda_chunked(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu_of(lens), init)
+    out = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu_of(lens), init)
+    assert out.dtype == torch.bfloat16
+    assert rel(out, ref) < 2.5e-2
+    assert rel(pool, ref_pool) < 2.5e-2
+
+
+def test_recurrent_path_with_checkpoints():
+    lens = [5, 1, 0, 9]
+    q, k, v, gg, beta = inputs(lens, 3)
+    pool = torch.full((8, H, V, K), float("nan"))
+    pool[[2, 5]] = torch.randn(2, H, V, K)
+    si = torch.tensor([2, 0, 7, 5])
+    init = torch.tensor([True, False, False, True])
+    ck = dict(checkpoint_seq=torch.tensor([0, 3]), checkpoint_offsets=torch.tensor([2, 9]),
+              checkpoint_slots=torch.tensor([1, 3]))
+    ref_pool = pool.double()
+    ref = R.kda_recurrent(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu_of(lens),
+                          init, **ck)
+    out = kda_recurrent_triton(q, k, v, gg, beta, pool, si, cu_of(lens), init, **ck)
+    assert rel(out, ref) < 1e-5
+    touched = [0, 1, 2, 3, 5, 7]
+    assert rel(pool[touched], ref_pool[touched]) < 1e-5
+    assert torch.isnan(pool[[4, 6]]).all()
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_fused_decode_matches_reference(lower_bound):
+    g = torch.Generator().manual_seed(4)
+    N, W = 5, 4
+    C = 2 * H * K + H * V
+    qkv = torch.randn(N, C, generator=g)
+    cw = torch.randn(C, W, generator=g) * 0.5
+    cs = torch.randn(9, C, W - 1, generator=g)
+    pool = torch.randn(9, H, V, K, generator=g)
+    cs[[1, 2, 4, 6]] = float("nan")
+    pool[[1, 2, 4, 6]] = float("nan")
+    args = (torch.randn(N, H, K, generator=g), torch.randn(H, generator=g) * 0.5, torch.randn(H * K, generator=g),
+            torch.randn(N, H, generator=g), torch.randn(N, H, V, generator=g), torch.rand(V, generator=g) + 0.5)
+    si = torch.tensor([3, -1, 0, 8, 5])
+    init = torch.tensor([True, True, False, True, False])
+    rc, rp = cs.double(), pool.double()
+    ref = R.kda_decode(qkv.double(), cw.double(), rc, *(a.double() for a in args[:5]), args[5].double(), rp, si, init,
+                       lower_bound=lower_bound)
+    out = kda_decode_triton(qkv, cw, cs, *args, pool, si, init, lower_bound=lower_bound)
+    used = [0, 3, 5, 7, 8]
+    assert rel(out, ref) < 1e-5
+    assert (out[1] == 0).all()
+    assert rel(pool[used], rp[used]) < 1e-5 and rel(cs[used], rc[used]) < 1e-6
+    assert torch.isnan(pool[[1, 2, 4, 6]]).all() and torch.isnan(cs[[1, 2, 4, 6]]).all()
