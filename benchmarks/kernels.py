@@ -360,7 +360,7 @@ def main():
         ("mla tuning", lambda: mla_sweep_rows(out, [] if q else [(32, 1), (32, 32)])),
         ("attn_res", lambda: attn_res_rows(out, [64] if q else [1, 64, 4096])),
         ("moe", lambda: moe_rows(out, [8] if q else [1, 8, 64])),
-        ("kda prefill", lambda: kda_prefill_rows(fla_chunk, out, [32] if q else [12, 32, 96],
+        ("kda prefill", lambda: kda_prefill_rows(fla_chunk, out, [32] if q else [32, 96, 12],
                                                  [8192] if q else [4096, 8192, 16384, 32768, 65536], not q, deadline)),
     ]
     for name, fn in sections:

@@ -35,6 +35,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     # No CRD or namespace watching: the operator needs neither permission (least privilege); our own
     # CRD is found at start (Helm installs CRDs first) and namespaces are given exactly (-n) or all (-A).
     settings.scanning.disabled = True
+    # A deletion that races a running status timer waits for the timer to exit, polling this often
+    # (kopf's default is 60 s, which would hold every such deletion for a minute).
+    settings.background.cancellation_polling = 1.0
     settings.posting.level = logging.WARNING  # kopf's own chatter stays in the log; our Events are explicit
     memo.reconciler = Reconciler(KubeClient(), SETTINGS)
     logger.info(

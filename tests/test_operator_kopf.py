@@ -152,6 +152,7 @@ def start_cluster(tmp_dir, *, lws: bool) -> tuple[EmulatorThread, Cluster]:
                 "3",
                 "--default-image",
                 "registry.test/k3serve:test",
+                *(["-v"] if os.environ.get("K3SERVE_TEST_OPERATOR_VERBOSE") else []),
             ],
             env=env,
             stdout=out,

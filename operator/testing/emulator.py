@@ -21,6 +21,7 @@ import threading
 import uuid
 from collections.abc import Iterable
 
+import aiohttp.web
 import kmock
 import yaml
 
@@ -46,12 +47,32 @@ class K3Emulator(kmock.KubernetesEmulator):
     async def _handle(self, request):  # type: ignore[override]
         if len(self._requests) > 2 * self.HISTORY:
             del self._requests[: -self.HISTORY]
+        if request.resource is not None and request.action == kmock.action.DELETE and request.name is not None:
+            response = await self._soft_delete(request)
+            if response is not None:
+                return response
         if request.resource is not None and request.data is not None:
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._stamp_create(request)
             elif request.action == kmock.action.UPDATE and request.name is not None:
                 self._stamp_update(request)
         return await super()._handle(request)
+
+    async def _soft_delete(self, request):
+        """DELETE of an object with finalizers: set deletionTimestamp with a new resourceVersion (plain
+        kmock keeps the old one, so a kopf JSON patch racing another change could never be retried)."""
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            obj = self._objects[key] if key in self._objects else None
+            if obj is None or obj.deleted:
+                return None
+            meta = obj.get("metadata", {})
+            if not meta.get("finalizers") or meta.get("deletionTimestamp"):
+                return None
+            obj.patch({"metadata": {"deletionTimestamp": _now(), "resourceVersion": str(next(self._versions))}})
+            raw = copy.deepcopy(dict(obj.raw))
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        return aiohttp.web.json_response(raw)
 
     def _stamp_create(self, request) -> None:
         meta = request.data.setdefault("metadata", {})

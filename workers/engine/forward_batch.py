@@ -23,3 +23,4 @@ class ForwardBatch:
     checkpoint_offsets: torch.Tensor | None  # [N] int64
     checkpoint_slots: list[torch.Tensor] | None  # per KDA group [N] int64
     logits_indices: torch.Tensor  # [S] rows whose logits are needed
+    is_decode: bool = False  # one token per sequence and no checkpoints: the fused decode path applies

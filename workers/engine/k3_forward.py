@@ -70,19 +70,26 @@ class K3ForwardModel:
         P = h * d
         qkv = torch.cat([linear(x, w["q_proj.weight"]), linear(x, w["k_proj.weight"]),
                          linear(x, w["v_proj.weight"])], dim=-1)
-        ck = self._ckpt(b, gi)
-        qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
-                                       b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
-        q, k, v = (t.reshape(T, h, d) for t in qkv.split(P, dim=-1))
         raw_g = linear(linear(x, w["f_a_proj.weight"]), w["f_b_proj.weight"]).view(T, h, d)
-        g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
-        beta = torch.sigmoid(linear(x, w["b_proj.weight"]).to(self.acc))
-        o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
-                            b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
         if "g_proj.weight" in w:
             gate = linear(x, w["g_proj.weight"])
         else:
             gate = linear(linear(x, w["g_a_proj.weight"]), w["g_b_proj.weight"])
+        if b.is_decode:
+            # one token per sequence: conv update, gates, delta rule and gated norm in one fused op
+            y = ops.kda_decode(qkv, self.conv_w[i], self.kv.conv_view(j), raw_g, w["A_log"], w["dt_bias"],
+                               linear(x, w["b_proj.weight"]), gate, w["o_norm.weight"], self.kv.ssm_view(j),
+                               b.state_indices[gi], b.has_initial_state, lower_bound=cfg.gate_lower_bound,
+                               scale=d ** -0.5, eps=cfg.rms_norm_eps)
+            return linear(y.reshape(T, P).to(x.dtype), w["o_proj.weight"])
+        ck = self._ckpt(b, gi)
+        qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
+                                       b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
+        q, k, v = (t.reshape(T, h, d) for t in qkv.split(P, dim=-1))
+        g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
+        beta = torch.sigmoid(linear(x, w["b_proj.weight"]).to(self.acc))
+        o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
+                            b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
         o = ops.rms_norm(o.to(self.acc), w["o_norm.weight"].to(self.acc), cfg.rms_norm_eps)
         o = (o * torch.sigmoid(gate.view(T, h, d).to(self.acc))).to(x.dtype)
         return linear(o.reshape(T, P), w["o_proj.weight"])

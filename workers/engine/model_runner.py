@@ -103,7 +103,8 @@ class InputPreparer:
         else:
             ckpt = (None, None, None)
         return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
-                            has_init, ckpt[0], ckpt[1], ckpt[2], logits_idx)
+                            has_init, ckpt[0], ckpt[1], ckpt[2], logits_idx,
+                            is_decode=T == nseq and not ck_seq)
 
 
 
