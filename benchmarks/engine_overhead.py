@@ -1,15 +1,16 @@
 """CPU time per engine step spent outside the model: scheduling + input preparation.
 
-    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/engine_overhead.py
+    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/engine_overhead.py [--reqs 16 64 256] [--ctx 512] [--steps 50]
 
 Runs the real Scheduler, HybridKVCacheManager (prefix caching on) and the model runner's
 InputPreparer on the tiny preset's cache geometry with 16, 64 and 256 running decode requests
 (context ~512 tokens each), excluding the forward pass, and prints microseconds per step and per
-request, with the growth from 16 to 256 requests.
+request, with the per-request cost relative to the smallest batch.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -73,17 +74,22 @@ def measure(n_reqs: int, ctx: int = 512, steps: int = 50) -> tuple[float, float]
     return t_sched / steps, t_prep / steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reqs", type=int, nargs="+", default=[16, 64, 256], help="running decode requests")
+    ap.add_argument("--ctx", type=int, default=512, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=50, help="timed decode steps")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows, base = [], None
-    for n in (16, 64, 256):
-        s, p = measure(n)
+    for n in args.reqs:
+        s, p = measure(n, ctx=args.ctx, steps=args.steps)
         tot = s + p
-        base = base or tot / 16
-        rows.append([n, f"{s * 1e6:.0f}", f"{p * 1e6:.0f}", f"{tot * 1e6:.0f}", f"{tot / n * 1e6:.1f}",
-                     f"{(tot / n) / base:.2f}x"])
+        base = base or tot / n
+        rows.append([n, s * 1e6, p * 1e6, tot * 1e6, tot / n * 1e6, (tot / n) / base])
+    print(f"context {args.ctx} tokens, {args.steps} timed decode steps, tiny preset cache geometry, float32, CPU")
     print_table(["running reqs", "schedule us/step", "prepare us/step", "total us/step", "us/request",
-                 "per-request vs 16"], rows)
+                 f"per-request vs {args.reqs[0]}"], rows)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,11 @@ def _render(args: argparse.Namespace) -> int:
     from k3serve.operator.render import render
     from k3serve.operator.render_context import RenderOptions
 
-    text = sys.stdin.read() if args.filename == "-" else open(args.filename, encoding="utf-8").read()
+    if args.filename == "-":
+        text = sys.stdin.read()
+    else:
+        with open(args.filename, encoding="utf-8") as f:
+            text = f.read()
     options = RenderOptions(
         lws=args.lws,
         podmonitor=not args.no_podmonitor,

@@ -114,6 +114,8 @@ class FakeEngine:
         self.reqs[request_id] = _Req(request_id, ids, params, seqs, min(self.cached_tokens, len(ids)))
 
     def abort_request(self, request_ids):
+        """Like LLMEngine: finishes at once and returns the final outputs (never a later step())."""
+        finals = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             r = self.reqs.pop(rid, None)
             if r is None:
@@ -121,7 +123,8 @@ class FakeEngine:
             self.aborted.append(rid)
             for s in r.seqs:
                 s.finish = s.finish or "abort"
-            self._pending.append(self._output(r))
+            finals.append(self._output(r))
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs) or bool(self._pending)

@@ -1,12 +1,21 @@
-"""Helpers for the Triton-interpreter tests (TRITON_INTERPRET=1 must be set before the kernels import)."""
+"""Helpers for the Triton-interpreter tests (TRITON_INTERPRET=1 must be set before the kernels import).
+
+On a machine with CUDA the interpreter is left off (it would also reroute GPU tests that import kernels
+later in the same process) and these CPU tests skip themselves: tests/gpu covers the kernels there.
+"""
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import torch  # noqa: E402
+INTERPRET_OK = not torch.cuda.is_available()
+if INTERPRET_OK:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+skip_on_cuda = pytest.mark.skipif(not INTERPRET_OK, reason="interpreter tests run on CPU-only machines")
 
 torch.set_num_threads(1)
 

@@ -75,9 +75,10 @@ def test_abort_and_errors(llm):
     eng = llm.engine
     eng.add_request("x1", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
     eng.step()
-    eng.abort_request("x1")
-    outs = eng.step()
-    assert any(o.request_id == "x1" and o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    finals = eng.abort_request("x1")
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in finals] == [("x1", True, "abort")]
+    assert finals[0].outputs[0].token_ids  # what it had generated so far is kept
+    assert eng.step() == []  # nothing stale comes out later
     assert not eng.has_unfinished_requests()
     assert eng.pool.num_free == eng.pool.num_usable  # everything freed
     with pytest.raises(ValueError, match="max_model_len"):

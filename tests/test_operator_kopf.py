@@ -3,6 +3,7 @@ subclassed as the design notes prescribe), driven through HTTP like kubectl woul
 
 The emulator has no controllers, admission or garbage collector: tests play the controllers by
 writing children's status, and assert owner references instead of cascading deletion.
+Set K3SERVE_TEST_OPERATOR_VERBOSE=1 to get kopf's debug log in the operator log file.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from k3serve.operator.testing.emulator import EmulatorThread
 ROOT = generate.repo_root()
 CRS = "k3serve.io/v1alpha1/kimik3deployments"
 CHILDREN = [r.api_version + "/" + r.plural for r in CHILD_RESOURCES]
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def free_port() -> int:
@@ -46,7 +47,7 @@ def sample(name: str) -> dict:
         return yaml.safe_load(f)
 
 
-def wait_for(what: str, fn: Callable[[], object], timeout: float = 45.0, log: str | None = None):
+def wait_for(what: str, fn: Callable[[], object], timeout: float = 90.0, log: str | None = None):
     deadline = time.monotonic() + timeout
     while True:
         value = fn()
@@ -115,7 +116,7 @@ class Cluster:
         return self.emu.objects("v1/events", namespace)
 
     def wait_status(
-        self, namespace: str, name: str, pred: Callable[[dict], bool], what: str, timeout: float = 45
+        self, namespace: str, name: str, pred: Callable[[dict], bool], what: str, timeout: float = 90
     ):
         return wait_for(
             what,
@@ -125,7 +126,9 @@ class Cluster:
         )
 
 
-def start_cluster(tmp_dir, *, lws: bool) -> tuple[EmulatorThread, Cluster]:
+def start_cluster(
+    tmp_dir, *, lws: bool, scope: tuple[str, ...] = ("--all-namespaces",)
+) -> tuple[EmulatorThread, Cluster]:
     emu = EmulatorThread(lws=lws, podmonitor=True).__enter__()
     kubeconfig = emu.kubeconfig(str(tmp_dir / "kubeconfig"))
     log = str(tmp_dir / "operator.log")
@@ -139,7 +142,7 @@ def start_cluster(tmp_dir, *, lws: bool) -> tuple[EmulatorThread, Cluster]:
                 "k3serve",
                 "operator",
                 "run",
-                "--all-namespaces",
+                *scope,
                 "--liveness",
                 liveness,
                 "--metrics-host",
@@ -483,5 +486,21 @@ def test_leaderworkerset_groups_when_the_crd_is_installed(tmp_path):
         )
         assert status["decode"]["selector"].startswith("k3serve.io/deployment=k3,k3serve.io/role=decode,")
         assert "leaderworkerset.sigs.k8s.io/worker-index=0" in status["decode"]["selector"]
+    finally:
+        stop_cluster(emu, c)
+
+
+def test_namespace_scoped_operator_ignores_other_namespaces(tmp_path):
+    emu, c = start_cluster(tmp_path, lws=False, scope=("--namespace", "watched"))
+    try:
+        c.create("other", sample("tiny-cpu.yaml"))
+        c.create("watched", sample("tiny-cpu.yaml"))
+        c.wait_status(
+            "watched", "tiny", lambda s: s.get("observedGeneration") == 1, "status in the watched namespace"
+        )
+        assert_children_match(c, "watched", "tiny")
+        time.sleep(1.5)  # more than a status interval: the other namespace stays untouched
+        assert c.status("other", "tiny") == {} and c.children("other") == {}
+        assert "finalizers" not in c.cr("other", "tiny")["metadata"]
     finally:
         stop_cluster(emu, c)

@@ -1,13 +1,16 @@
 """Triton KDA kernels under the CPU interpreter: chunked prefill, token-serial path, fused decode step."""
 
-import _triton_cpu  # noqa: F401  (sets TRITON_INTERPRET=1 first)
+import _triton_cpu  # (sets TRITON_INTERPRET=1 first)
 import pytest
 import torch
 from _triton_cpu import cu_of, rel
+
 from k3serve.kernels import reference as R
 from k3serve.kernels.triton.kda_chunk import ChunkPlan, kda_chunked_triton
 from k3serve.kernels.triton.kda_decode import kda_decode_triton
 from k3serve.kernels.triton.kda_recurrent import kda_recurrent_triton
+
+pytestmark = _triton_cpu.skip_on_cuda
 
 H, K, V = 2, 16, 32
 

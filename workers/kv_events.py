@@ -163,9 +163,12 @@ class KvEventHub:
         if sub.closed:
             return
         if self._unlisten is None:
-            self._unlisten = eng.subscribe_kv_events(self._pending.append)
+            self._unlisten = eng.subscribe_kv_events(self._on_event)
         sub._offer(KvEventBatchData(self.last_sequence, True, list(eng.kv_cache_snapshot())))
         self._subs.append(sub)
+
+    def _on_event(self, ev) -> None:
+        self._pending.append(ev)
 
     def _detach_soon(self, sub: KvEventSubscription) -> None:
         self.engine.call_soon_on_engine_thread(lambda _eng: self._detach(sub))

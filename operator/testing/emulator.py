@@ -47,7 +47,11 @@ class K3Emulator(kmock.KubernetesEmulator):
     async def _handle(self, request):  # type: ignore[override]
         if len(self._requests) > 2 * self.HISTORY:
             del self._requests[: -self.HISTORY]
-        if request.resource is not None and request.action == kmock.action.DELETE and request.name is not None:
+        if (
+            request.resource is not None
+            and request.action == kmock.action.DELETE
+            and request.name is not None
+        ):
             response = await self._soft_delete(request)
             if response is not None:
                 return response
@@ -69,7 +73,9 @@ class K3Emulator(kmock.KubernetesEmulator):
             meta = obj.get("metadata", {})
             if not meta.get("finalizers") or meta.get("deletionTimestamp"):
                 return None
-            obj.patch({"metadata": {"deletionTimestamp": _now(), "resourceVersion": str(next(self._versions))}})
+            obj.patch(
+                {"metadata": {"deletionTimestamp": _now(), "resourceVersion": str(next(self._versions))}}
+            )
             raw = copy.deepcopy(dict(obj.raw))
             await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
         return aiohttp.web.json_response(raw)

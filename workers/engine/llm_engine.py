@@ -140,7 +140,6 @@ class LLMEngine:
         self.sampler = Sampler(seed=args.seed)
         self.seqs: dict[str, _Seq] = {}
         self.parents: dict[str, _Parent] = {}
-        self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self.last_step_time = 0.0
         self.num_steps = 0
@@ -224,9 +223,15 @@ class LLMEngine:
             return _NullDetokenizer()
         return IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
 
-    def abort_request(self, request_ids) -> None:
+    def abort_request(self, request_ids) -> list[RequestOutput]:
+        """Abort requests now (pages freed at once); returns their final outputs (finish_reason "abort").
+
+        The outputs are returned here rather than from a later `step()`, so a request id may be
+        reused right away without a stale abort reaching the new request.
+        """
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        finals = []
         for rid in request_ids:
             parent = self.parents.get(rid)
             if parent is None:
@@ -235,11 +240,12 @@ class LLMEngine:
                 s = self.seqs.get(sid)
                 if s and not s.req.is_finished:
                     self.scheduler.finish(s.req, RequestStatus.FINISHED_ABORTED)
-            self._pending.append(self._make_output(parent))
+            finals.append(self._make_output(parent))
             self._retire(parent)
+        return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
@@ -247,7 +253,7 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
-        outputs, self._pending = self._pending, []
+        outputs: list[RequestOutput] = []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.scheduler.end_step()
