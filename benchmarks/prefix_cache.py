@@ -3,7 +3,7 @@
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/prefix_cache.py [--quick] [--sessions 12] [--turns 5]
         [--budget-frac 1.0] [--interval 64] [--unit 16] [--max-num-seqs 8] [--model DIR]
 
-(~3 minutes on 2 shared CPU cores; --quick ~20 s. The issue's 32 sessions x 8 turns is
+(~3 minutes on 2 shared CPU cores; --quick ~30 s. The issue's 32 sessions x 8 turns is
 `--sessions 32 --turns 8`, ~10x longer on the CPU.)
 
 A synthetic agentic trace (`_agentic_trace.py`: every session starts with the same system prompt +
@@ -12,8 +12,9 @@ tiny model (float32, CPU, greedy, `--output-tokens` per turn) once per cache con
 every session is submitted at once, as an agent fleet would, and the engine is stepped until all of
 them finish. Every configuration gets the same KV budget: `--budget-frac` x the trace's working set
 (every session's final MLA pages + one KDA snapshot each) plus what the running requests hold beyond
-it (their running KDA states, a snapshot in flight, a copy-on-write page). Every turn stores new
-snapshots and pages, so every caching row must evict (see the "evicted" columns).
+it (their running KDA states, a snapshot in flight, a copy-on-write page). The unit-hashed rows store
+a new snapshot per session and turn, so they must evict (see the "evicted" columns); `vllm-style`
+keeps state only at block boundaries and may fit.
 
 Rows: `off`; `vllm-style/lru` (KV-centric prefix caching as vLLM does it for hybrid models: hash unit
 = block, state at every block boundary, hits only at block boundaries); and retention dense (the

@@ -4,8 +4,8 @@
 
 Each benchmark runs as its own script (a subprocess with this interpreter, PYTHONSAFEPATH=1); its
 command is printed before it and its output (the table) streams through. The exit status is 0 when
-every benchmark exited 0, else 1; a summary line per benchmark ends the run. `kernels.py` needs a
-CUDA GPU and is not part of this CPU run.
+every benchmark exited 0, else 1; a summary line per benchmark ends the run. `kernels.py` and
+`decode_roofline.py` need a CUDA GPU and are not part of this CPU run.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def _attn_res_kernel(partial_ptr, delta_ptr, blocks_ptr, wn_ptr, wq_ptr, wo_ptr,
 def supported(partial, delta, blocks, round_dtype) -> bool:
     f64 = any(t is not None and t.dtype == torch.float64 for t in (partial, delta, blocks))
     rd = round_dtype is None or round_dtype in TL_DTYPE
-    rows = partial.stride(-1) == 1 and blocks[0].is_contiguous() if blocks.shape[0] else True
+    rows = partial.stride(-1) == 1 and (blocks.shape[0] == 0 or blocks[0].is_contiguous())
     return not f64 and rd and rows and (delta is None or delta.stride(-1) == 1) and partial.shape[1] <= 65536
 
 

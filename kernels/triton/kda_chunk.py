@@ -347,7 +347,7 @@ class ChunkPlan:
 
 def check_pool(pool: torch.Tensor) -> None:
     """A slot pool [S, ...] may have any slot stride, but each slot must be contiguous."""
-    if not pool[0].is_contiguous() if pool.shape[0] else False:
+    if pool.shape[0] and not pool[0].is_contiguous():
         raise ValueError("each slot of the state pool must be contiguous")
 
 

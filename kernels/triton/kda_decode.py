@@ -126,7 +126,7 @@ def kda_decode_triton(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta
             f"kda_decode shapes: qkv {tuple(qkv.shape)}, conv_weight {tuple(conv_weight.shape)}, conv_states "
             f"{tuple(conv_states.shape)}, raw_g {tuple(raw_g.shape)}, state_pool {tuple(state_pool.shape)}"
         )
-    if not (conv_states[0].is_contiguous() and state_pool[0].is_contiguous()) if N else False:
+    if conv_states.shape[0] and not (conv_states[0].is_contiguous() and state_pool[0].is_contiguous()):
         raise ValueError("each slot of conv_states / state_pool must be contiguous")
     out = torch.empty(N, H, V, dtype=qkv.dtype, device=qkv.device)
     if N == 0:
