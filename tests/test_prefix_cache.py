@@ -158,3 +158,15 @@ def test_event_stream_reconstructs_cache(tiny_model_dir):
     assert {k: e.num_tokens for k, e in index.items()} == actual
     kinds = {e.group_kind for e in index.values()}
     assert kinds == {"mla", "kda"}
+
+
+def test_in_pass_export_does_not_split_prefill(tiny_model_dir):
+    """Dense retention snapshots every block boundary of a 100-token prompt inside ONE prefill step."""
+    common = dict(dtype="float64", skip_tokenizer_init=True, max_model_len=256, block_size=16,
+                  max_num_batched_tokens=256)
+    on = LLM(str(tiny_model_dir), enable_prefix_caching=True, prefix_cache_retention_interval="dense", **common)
+    off = LLM(str(tiny_model_dir), **common)
+    prompt = list(range(3, 103))
+    assert _gen(on, [prompt], n=3) == _gen(off, [prompt], n=3)
+    assert on.engine.num_steps == off.engine.num_steps == 3  # one prefill step + two decode steps
+    assert {16, 32, 48, 64, 80, 96} <= _snapshot_lengths(on)
