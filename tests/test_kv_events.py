@@ -66,7 +66,13 @@ async def settle(aeng, hub, consumers):
         if not busy:
             break
         await asyncio.sleep(0.01)
-    await wait_until(lambda: all(c.index.last_sequence == seq for c in consumers), what="the last event")
+    def caught_up():
+        for c in consumers:
+            if c.task.done():  # a consumer only ends on an error, e.g. KvEventGap
+                c.task.result()
+        return all(c.index.last_sequence == seq for c in consumers)
+
+    await wait_until(caught_up, what="the last event")
     return seq, cache
 
 
@@ -155,6 +161,26 @@ def test_close_unsubscribes_from_the_engine(tok):
         b.close()
         await wait_until(lambda: hub.num_subscribers == 0, what="unsubscribe")
         assert await aeng.run_on_engine_thread(lambda e: len(e.listeners)) == 0
+
+    try:
+        run(go())
+    finally:
+        aeng.shutdown()
+
+
+def test_end_all_ends_open_subscriptions_after_their_queue(tok):
+    engine = CacheFake(tok)
+    aeng = started(engine)
+    hub = KvEventHub(aeng)
+
+    async def go():
+        sub = await hub.subscribe()
+        await aeng.run_on_engine_thread(lambda e: e.mutate(2))
+        await wait_until(lambda: sub.queued == 2, what="two batches")
+        hub.end_all("worker stopping")
+        assert (await sub.get()).snapshot and (await sub.get()).sequence == 2
+        with pytest.raises(EngineDeadError, match="worker stopping"):
+            await sub.get()
 
     try:
         run(go())

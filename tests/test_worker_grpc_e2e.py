@@ -112,9 +112,17 @@ def test_invalid_argument(worker):
 
 
 def test_sigterm_exits_cleanly(worker):
-    proc, _, _ = worker
+    proc, stub, _ = worker
+    events = stub.SubscribeKvEvents(pb.KvEventsRequest(), timeout=60)
+    snap = next(events)  # caching is off here: an empty, complete snapshot
+    assert snap.snapshot and snap.snapshot_complete and snap.sequence == 0 and not snap.events
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as ei:  # an open event stream ends at once, it does not hold the exit
+        next(events)
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in ei.value.details()
     assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - t0 < 10
 
 
 def test_unimplemented_role_is_refused(tiny_model_dir):

@@ -132,6 +132,8 @@ class GrpcServer:
         self.service = service
 
     async def stop(self, grace: float | None = 2.0) -> None:
+        """Stop serving; open SubscribeKvEvents streams end at once with UNAVAILABLE (they never finish alone)."""
+        self.service.kv_events.end_all()
         await self.server.stop(grace)
         self.service.kv_events.close()
 

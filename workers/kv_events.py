@@ -19,7 +19,8 @@ Contract:
 * Each subscriber has a bounded queue (`max_queued_batches`). A subscriber that falls that far behind
   is dropped: its queue is discarded and `get()` raises `SubscriberTooSlow`; it must re-subscribe and
   start again from a fresh snapshot.
-* If the engine thread ends, `get()` raises `EngineDeadError` once the queued batches are consumed.
+* If the engine thread ends, or the hub is shut down (`end_all`, e.g. when the worker stops), `get()`
+  raises `EngineDeadError` once the queued batches are consumed.
 * Threads: the engine's listener and the fan-out run on the engine thread; batches reach each
   subscriber's event loop with `loop.call_soon_threadsafe`. The hub listens to the engine only while
   it has subscribers.
@@ -122,6 +123,7 @@ class KvEventSubscription:
         """Stop deliveries and unregister from the hub (idempotent; any thread)."""
         if not self.closed:
             self.closed = True
+            self._hub._live.discard(self)
             self._hub._detach_soon(self)
 
 
@@ -136,6 +138,7 @@ class KvEventHub:
         self._subs: list[KvEventSubscription] = []  # engine thread only
         self._pending: list = []  # engine thread only
         self._unlisten = None  # engine thread only
+        self._live: set[KvEventSubscription] = set()  # open subscriptions (their loops' side)
         self._remove_hook = engine.add_engine_hook(self._flush, self._on_stop)
 
     @property
@@ -151,7 +154,14 @@ class KvEventHub:
         except BaseException:
             sub.close()
             raise
+        if not sub.closed:
+            self._live.add(sub)
         return sub
+
+    def end_all(self, reason: str = "the worker is shutting down") -> None:
+        """End every open subscription with EngineDeadError(reason) (after its queued batches; any thread)."""
+        for sub in list(self._live):
+            sub._fail(EngineDeadError(reason))
 
     def close(self) -> None:
         """Detach from the AsyncEngine (the engine's listener goes with the last subscriber)."""
