@@ -170,3 +170,18 @@ def test_in_pass_export_does_not_split_prefill(tiny_model_dir):
     assert _gen(on, [prompt], n=3) == _gen(off, [prompt], n=3)
     assert on.engine.num_steps == off.engine.num_steps == 3  # one prefill step + two decode steps
     assert {16, 32, 48, 64, 80, 96} <= _snapshot_lengths(on)
+
+
+def test_marconi_junction_shorter_than_a_block(tiny_model_dir):
+    """Fine-grained MLA keys let a junction (and a hit) end mid-block: |X| = 12 < block 16."""
+    llm = LLM(str(tiny_model_dir), dtype="float64", skip_tokenizer_init=True, max_model_len=128, block_size=16,
+              enable_prefix_caching=True, prefix_match_unit=4, prefix_cache_selective_retention=True)
+    rng = random.Random(1)
+    X = [rng.randrange(576) for _ in range(12)]
+    hits = []
+    for n in (9, 7, 5):
+        before = llm.engine.stats()["prefix_cache_hits"]
+        _gen(llm, [X + [rng.randrange(576) for _ in range(n)]], n=2)
+        hits.append(llm.engine.stats()["prefix_cache_hits"] - before)
+    assert hits == [0, 0, 12]
+    assert 12 in _snapshot_lengths(llm)

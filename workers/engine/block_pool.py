@@ -60,6 +60,8 @@ class BlockPool:
         self.clock = 0
         self.num_evicted_kda = 0
         self.num_evicted = 0  # cached blocks whose keys were dropped to reuse the page
+        self.children: dict[BlockKey, int] = {}  # (parent hash, group) -> cached keys extending it
+        self.kda_hashes: dict[bytes, int] = {}  # hash -> number of KDA groups holding a snapshot of it
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -95,7 +97,11 @@ class BlockPool:
         first = next(iter(self.free.values()))
         if self.eviction == "lru" or not first.is_hashed:
             return first
-        cands = [b for b in self.free.values() if b.is_hashed]
+        # Only leaves are candidates: a KDA snapshot, or an MLA page no other cached page extends
+        # (evicting an inner MLA page would strand every deeper key of its chain).
+        cands = [b for b in self.free.values() if b.is_hashed and self._is_leaf(b)]
+        if not cands:
+            return first
         lo = min(b.last_used for b in cands)
         hi = max(b.last_used for b in cands)
         vmax = max(self._value(b) for b in cands) or 1
@@ -106,11 +112,23 @@ class BlockPool:
 
         return min(cands, key=lambda b: (score(b), b.last_used))
 
+    def _is_leaf(self, b: Block) -> bool:
+        return b.kind == "kda" or all(self.children.get(k, 0) == 0 for k in b.keys)
+
     def _value(self, b: Block) -> int:
-        """Tokens of prefill a cached page saves (pages all have the same byte size)."""
+        """Prefill tokens a cached page saves (pages all have the same byte size).
+
+        A KDA snapshot at prefix length p saves p tokens. An MLA leaf page only saves anything
+        together with a KDA snapshot ending inside it (same hash in a KDA group): it is worth that
+        snapshot's length, and 0 when nothing depends on it (a dangling chain tail goes first).
+        """
         if b.kind == "kda":
             return max(b.key_tokens.values(), default=0)
-        return self.block_size
+        best = 0
+        for (h, _gid), n in b.key_tokens.items():
+            if h in self.kda_hashes:
+                best = max(best, n)
+        return best
 
     def touch(self, blocks: list[Block]) -> None:
         t = self._tick()
@@ -144,6 +162,11 @@ class BlockPool:
         block.key_tokens[key] = num_tokens
         block.key_parent[key] = parent
         block.kind = kind
+        if parent is not None:
+            pk = (parent, key[1])
+            self.children[pk] = self.children.get(pk, 0) + 1
+        if kind == "kda":
+            self.kda_hashes[key[0]] = self.kda_hashes.get(key[0], 0) + 1
         block.cached_step = step
         if self.event_sink:
             self.event_sink("stored", key, block, num_tokens)
@@ -161,6 +184,18 @@ class BlockPool:
         if b.kind == "kda":
             self.num_evicted_kda += 1
         for key in b.keys:
+            parent = b.key_parent.get(key)
+            if parent is not None:
+                pk = (parent, key[1])
+                if self.children.get(pk, 0) <= 1:
+                    self.children.pop(pk, None)
+                else:
+                    self.children[pk] -= 1
+            if b.kind == "kda":
+                if self.kda_hashes.get(key[0], 0) <= 1:
+                    self.kda_hashes.pop(key[0], None)
+                else:
+                    self.kda_hashes[key[0]] -= 1
             if self.cached.get(key) is b:
                 del self.cached[key]
                 if self.event_sink:

@@ -64,6 +64,7 @@ class _ReqState:
     mla: list[list[Block]]
     kda: list[Block]
     registered_full: int = 0  # MLA blocks already keyed at their full end
+    registered_units: int = 0  # hash units already keyed (fine-grained MLA keys)
 
 
 class HybridKVCacheManager:
@@ -267,6 +268,22 @@ class HybridKVCacheManager:
                 for blks, g in zip(st.mla, self.mla_groups):
                     self.pool.register(blks[(p - 1) // self.B], (h, g.group_id), p, "mla", self.step, mla_parent)
             checkpoints.append((p - start, [b.block_id for b in snap]))
+        if self.enable_caching and self.mla_groups and self.unit < self.B:
+            # fine-grained MLA keys: every computed hash unit inside a block is findable, so a hit
+            # (and a Marconi junction) can end at any unit, not only at block ends
+            u = self.unit
+            st.registered_units = max(st.registered_units, start // u)
+            while (st.registered_units + 1) * u <= end:
+                q = (st.registered_units + 1) * u
+                st.registered_units += 1
+                if q % self.B == 0:
+                    continue  # the full-block key below covers it
+                h = self._hash_at(req, q)
+                if h is None:
+                    break
+                parent = self._hash_at(req, (q - 1) // self.B * self.B)
+                for blks, g in zip(st.mla, self.mla_groups):
+                    self.pool.register(blks[(q - 1) // self.B], (h, g.group_id), q, "mla", self.step, parent)
         if self.enable_caching and self.mla_groups:
             while (st.registered_full + 1) * self.B <= end:
                 i = st.registered_full
