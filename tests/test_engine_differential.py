@@ -58,3 +58,14 @@ def test_derived_block_size_and_budget_error(tiny_model_dir):
     assert lay.block_size % 16 == 0 and lay.block_size * lay.mla_token_elems * 8 >= lay.kda_page_used
     with pytest.raises(ValueError, match="minimum is"):
         LLM(str(tiny_model_dir), dtype="float64", max_model_len=256, kv_cache_memory=lay.bytes_per_block * 2)
+
+
+def test_static_padded_decode_path(tiny_model_dir):
+    """The fixed-shape decode batch (what CUDA graphs capture) equals the reference: padding rows
+    (state slot -1, cache slot -1) never disturb the real sequences."""
+    prompts = random_prompts(7, 11, 576, 1, 30)  # 11 sequences -> padded to the capture size 16
+    refs = reference_outputs(tiny_model_dir, prompts, MAX_NEW)
+    llm = LLM(str(tiny_model_dir), dtype="float64", skip_tokenizer_init=True, max_model_len=64, block_size=16,
+              max_num_seqs=16, static_decode=True)
+    assert engine_outputs(llm, prompts, MAX_NEW) == refs
+    assert llm.engine.runner.num_static_decode_steps >= MAX_NEW - 1

@@ -37,3 +37,6 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False  # serve token ids only (no detokenization, no stop strings)
+    enforce_eager: bool = False  # never run decode steps as captured CUDA graphs
+    cuda_graph_max_batch: int = 256  # largest decode batch with a captured graph
+    static_decode: bool | None = None  # fixed-shape padded decode steps (default: on CUDA only)

@@ -136,7 +136,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len)
         self.runner = ModelRunner(cfg, weights, layout, num_blocks, self.dtype, args.device,
-                                  args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len)
+                                  args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
+                                  cuda_graphs=None if not args.enforce_eager else False,
+                                  cuda_graph_max_batch=args.cuda_graph_max_batch)
+        if args.static_decode is not None and not args.enforce_eager:
+            self.runner.static_decode = bool(args.static_decode)
         self.sampler = Sampler(seed=args.seed)
         self.seqs: dict[str, _Seq] = {}
         self.parents: dict[str, _Parent] = {}

@@ -8,6 +8,7 @@ addresses (what CUDA-graph capture needs).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,6 +45,56 @@ class InputPreparer:
         self.device = torch.device(device)
         self.max_blocks = math.ceil(max_model_len / layout.block_size)
         self.buf = InputBuffers(layout, max_num_batched_tokens, max_num_seqs, self.max_blocks, self.device)
+
+    def prepare_decode(self, sched: SchedulerOutput | None, size: int) -> ForwardBatch:
+        """A decode-only step as a fixed-shape batch of `size` rows (same buffers, same shapes every
+        time, full-width block tables). Rows past the real ones are padding: state slots -1 (the
+        KDA ops skip them), cache slots -1 (not written), one context token read from the never-
+        allocated null block 0. `sched=None` gives an all-padding batch (graph capture)."""
+        chunks = sched.chunks if sched is not None else []
+        n = len(chunks)
+        buf, B = self.buf, self.layout.block_size
+        pos = np.zeros(size, dtype=np.int64)
+        pos[:n] = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        ids = np.zeros(size, dtype=np.int64)
+        ids[:n] = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n)
+        ar = np.arange(size + 1, dtype=np.int64)
+
+        def put(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+            out = dst[: len(src)]
+            out.copy_(torch.from_numpy(src), non_blocking=True)
+            return out
+
+        input_ids = put(buf.input_ids, ids)
+        pos_t = put(buf.positions, pos)
+        cu_t = put(buf.cu_seqlens, ar)
+        seq = np.ones(size, dtype=np.int64)
+        seq[:n] = pos[:n] + 1
+        seq_lens = put(buf.seq_lens, seq)
+        init = np.zeros(size, dtype=bool)
+        init[:n] = [c.plan.has_initial_state for c in chunks]
+        has_init = buf.has_initial_state[:size]
+        has_init.copy_(torch.from_numpy(init))
+        block_tables, slot_mapping = [], []
+        for gi in range(len(self.layout.mla_groups)):
+            bt = np.zeros((size, self.max_blocks), dtype=np.int32)
+            for r, c in enumerate(chunks):
+                row = c.plan.mla_block_ids[gi]
+                bt[r, : len(row)] = row
+            slots = np.full(size, -1, dtype=np.int64)
+            slots[:n] = bt[np.arange(n), pos[:n] // B].astype(np.int64) * B + pos[:n] % B
+            bt_t = buf.block_tables[gi][:size]
+            bt_t.copy_(torch.from_numpy(bt))
+            block_tables.append(bt_t)
+            slot_mapping.append(put(buf.slot_mapping[gi], slots))
+        state_indices = []
+        for gi in range(len(self.layout.kda_groups)):
+            si = np.full(size, -1, dtype=np.int64)
+            si[:n] = np.fromiter((c.plan.kda_slots[gi] for c in chunks), np.int64, n)
+            state_indices.append(put(buf.state_indices[gi], si))
+        logits_idx = put(buf.logits_indices, ar[:size])
+        return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
+                            has_init, None, None, None, logits_idx, is_decode=True)
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         chunks = sched.chunks
@@ -110,16 +161,70 @@ class InputPreparer:
 
 class ModelRunner:
     def __init__(self, config, weights, layout: CacheLayout, num_blocks: int, dtype: torch.dtype,
-                 device: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+                 device: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 cuda_graphs: bool | None = None, cuda_graph_max_batch: int = 256):
         from k3serve.workers.engine.k3_forward import K3ForwardModel
 
         self.layout = layout
         self.kv = KVCacheTensors(layout, num_blocks, torch.device(device))
         self.model = K3ForwardModel(config, weights, layout, self.kv, dtype)
         self.inputs = InputPreparer(layout, device, max_num_batched_tokens, max_num_seqs, max_model_len)
+        self.device = torch.device(device)
+        # Decode-only steps run as a fixed-shape batch padded to a capture size; on CUDA that batch is
+        # captured once per size in a CUDA graph and replayed. `cuda_graphs=None`: on for CUDA only.
+        self.static_decode = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.capture_sizes = capture_sizes(min(max_num_seqs, max_num_batched_tokens, cuda_graph_max_batch))
+        self.graphs: dict[int, _Graph] = {}
+        self._graph_pool = None
+        self.num_static_decode_steps = 0
 
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Run one step; returns logits for the chunks with `sample=True`, in chunk order."""
         self.kv.copy_blocks(sched.copies)
+        n = len(sched.chunks)
+        if self.static_decode and n <= self.capture_sizes[-1] and _decode_only(sched):
+            size = next(c for c in self.capture_sizes if c >= n)
+            self.num_static_decode_steps += 1
+            if self.device.type == "cuda":
+                graph = self.graphs.get(size) or self._capture(size)
+                self.inputs.prepare_decode(sched, size)
+                graph.graph.replay()
+                return graph.logits[:n]
+            return self.model.forward(self.inputs.prepare_decode(sched, size))[:n]
         batch = self.inputs.prepare(sched)
         return self.model.forward(batch)
+
+    def _capture(self, size: int) -> _Graph:
+        """Capture the decode step of `size` rows. Warm-up and capture run on an all-padding batch
+        (state slots -1, cache slots -1), so no request's state is touched; a replay then reads
+        whatever `prepare_decode` wrote into the same persistent buffers."""
+        batch = self.inputs.prepare_decode(None, size)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the Triton kernels and settle the allocator
+                self.model.forward(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self.model.forward(batch)
+        self._graph_pool = graph.pool()
+        self.graphs[size] = _Graph(graph, batch, logits)
+        return self.graphs[size]
+
+
+@dataclass
+class _Graph:
+    graph: object  # torch.cuda.CUDAGraph
+    batch: ForwardBatch
+    logits: torch.Tensor
+
+
+def _decode_only(sched: SchedulerOutput) -> bool:
+    return all(len(c.token_ids) == 1 and c.sample and not c.plan.checkpoints for c in sched.chunks)
+
+
+def capture_sizes(limit: int) -> list[int]:
+    """Decode batch sizes with a captured graph: 1, 2, 4, 8, then multiples of 8 up to `limit`."""
+    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
+    return sizes or [1]
