@@ -91,6 +91,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never replay decode steps from captured CUDA graphs")
+    g.add_argument("--cuda-graph-max-batch", type=_positive_int, default=256,
+                   help="largest decode batch that gets a captured CUDA graph")
     g.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
@@ -106,6 +110,8 @@ def engine_args_from(args: argparse.Namespace, model: str):
         prefix_cache_selective_retention=args.prefix_cache_selective_retention,
         prefix_cache_eviction=args.prefix_cache_eviction, device=args.device, dtype=args.dtype, seed=args.seed,
         served_model_name=(args.served_model_name or [None])[0],
+        enforce_eager=getattr(args, "enforce_eager", False),
+        cuda_graph_max_batch=getattr(args, "cuda_graph_max_batch", 256),
     )
 
 
