@@ -45,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv else 2
     name, rest = argv[0], argv[1:]
-    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as e:
+        if e.name != COMMANDS[name][0]:
+            raise
+        print(f"k3serve {name}: not available in this version yet", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog=f"k3serve {name}", description=COMMANDS[name][1])
     module.configure(parser)
     args = parser.parse_args(rest)

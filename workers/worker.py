@@ -25,7 +25,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--metrics-port", type=int, default=9100, help="0 picks a free port")
+    # Parallel layout and store address: part of the pod contract (docs/components.md), so every
+    # rendered command line parses; layouts beyond one process are refused with a clear message.
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="attention TP ranks (1 today)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="attention DP ranks (1 today)")
+    parser.add_argument("--expert-parallel", action="store_true", help="shard experts over the ranks")
+    parser.add_argument("--kv-store", default=None, metavar="ADDR",
+                        help="Mooncake master address (store connector: not available yet)")
     add_engine_args(parser)
+
+
+def unsupported_layout(args: argparse.Namespace) -> str | None:
+    """Why this process cannot run the requested layout yet, or None."""
+    if args.role != "both":
+        return f"--role {args.role} is not implemented yet (only 'both')"
+    if args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
+        return (f"--tensor-parallel-size {args.tensor_parallel_size} / --data-parallel-size "
+                f"{args.data_parallel_size}: multi-rank workers are not implemented yet (only 1 / 1)")
+    return None
 
 
 def build_metrics_app(engine, registry):
@@ -98,7 +115,11 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    if args.role != "both":
-        print(f"k3serve worker: --role {args.role} is not implemented yet (only 'both')", flush=True)
+    problem = unsupported_layout(args)
+    if problem:
+        print(f"k3serve worker: {problem}", flush=True)
         return 2
+    if args.kv_store:
+        print(f"k3serve worker: note: --kv-store {args.kv_store} given, but the Mooncake store connector is "
+              "not available yet; serving from the local prefix cache only", flush=True)
     return asyncio.run(_serve(args))
