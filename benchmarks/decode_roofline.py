@@ -9,7 +9,8 @@ bytes that must move / copy bandwidth, with bytes = every non-expert weight once
 distinct active experts per MoE layer (E·(1-(1-k/E)^B)) x their packed bytes + KDA recurrent and conv
 state read+write per sequence and KDA layer + the MLA latent cache read per sequence and MLA layer.
 Prints one table: B, decode tokens/s, roofline tokens/s, fraction. (Not yet run on a GPU: written in the
-session whose device time ran out; CUDA graphs are not captured by the engine yet.)
+session whose device time ran out. The engine replays decode steps from captured CUDA graphs by default
+on CUDA; pass --enforce-eager to compare without them.)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (compare against them)")
     args = ap.parse_args()
     from k3serve.workers.llm import LLM
     from k3serve.workers.model.make_model import make_model
@@ -72,7 +74,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         cfg = make_model(d, "small", device="cuda")
         llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
-                  max_model_len=args.prompt + args.steps + 8)
+                  max_model_len=args.prompt + args.steps + 8, enforce_eager=args.enforce_eager)
         weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
         rows = []
         for B in args.batches:
