@@ -98,3 +98,18 @@ def store(state_pool: torch.Tensor, writes: list[tuple[int, torch.Tensor]]) -> N
     """Write (slot, state [H, V, K]) pairs into the pool, in order, casting to the pool's dtype."""
     for slot, s in writes:
         state_pool[slot].copy_(s.to(state_pool.dtype))
+
+
+def run_sequences(kb: KdaBatch, state_pool: torch.Tensor, v: torch.Tensor, walk) -> torch.Tensor:
+    """Drive `walk(b, S, marks, o, ckpt_writes) -> final S` over every non-padded sequence b, then
+    store final states first and checkpoints after (so a checkpoint aimed at a state slot wins).
+    Returns o [T, H, V] in v's dtype."""
+    o = torch.zeros(v.shape, dtype=kb.dtype, device=v.device)
+    finals: list[tuple[int, torch.Tensor]] = []
+    ckpt_writes: list[tuple[int, torch.Tensor]] = []
+    for b, S in enumerate(kb.initial_states(state_pool)):
+        if S is None:
+            continue
+        finals.append((kb.slots[b], walk(b, S, kb.ckpts.get(b, []), o, ckpt_writes)))
+    store(state_pool, finals + ckpt_writes)
+    return o.to(v.dtype)

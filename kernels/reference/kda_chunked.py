@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._kda_batch import prepare, store
+from ._kda_batch import prepare, run_sequences
 
 
 def _state_after(S0: torch.Tensor, G: torch.Tensor, k: torch.Tensor, u: torch.Tensor, j: int) -> torch.Tensor:
@@ -85,29 +85,10 @@ def kda_chunked(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    kb = prepare(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        state_pool,
-        state_indices,
-        cu_seqlens,
-        has_initial_state,
-        scale,
-        use_qk_l2norm,
-        checkpoint_seq,
-        checkpoint_offsets,
-        checkpoint_slots,
-    )
-    o = torch.zeros(v.shape, dtype=kb.dtype, device=v.device)
-    finals: list[tuple[int, torch.Tensor]] = []
-    ckpt_writes: list[tuple[int, torch.Tensor]] = []
-    for b, S in enumerate(kb.initial_states(state_pool)):
-        if S is None:
-            continue
-        marks = kb.ckpts.get(b, [])
+    kb = prepare(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, scale,
+                 use_qk_l2norm, checkpoint_seq, checkpoint_offsets, checkpoint_slots)
+
+    def walk(b, S, marks, o, ckpt_writes):
         start, end = kb.cu[b], kb.cu[b + 1]
         for c0 in range(start, end, chunk_size):
             c1 = min(c0 + chunk_size, end)
@@ -119,6 +100,6 @@ def kda_chunked(
             ckpt_writes.extend((slot, m) for (_, slot), m in zip(inner, mids))
             ckpt_writes.extend((slot, S_end) for off, slot in marks if off == c1 - start)
             S = S_end
-        finals.append((kb.slots[b], S))
-    store(state_pool, finals + ckpt_writes)
-    return o.to(v.dtype)
+        return S
+
+    return run_sequences(kb, state_pool, v, walk)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._kda_batch import prepare, store
+from ._kda_batch import prepare, run_sequences
 
 
 def kda_recurrent(
@@ -44,29 +44,10 @@ def kda_recurrent(
 
     Returns o [T, H, V] in v's dtype; math in fp32 (fp64 if any input or the pool is fp64).
     """
-    kb = prepare(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        state_pool,
-        state_indices,
-        cu_seqlens,
-        has_initial_state,
-        scale,
-        use_qk_l2norm,
-        checkpoint_seq,
-        checkpoint_offsets,
-        checkpoint_slots,
-    )
-    o = torch.zeros(v.shape, dtype=kb.dtype, device=v.device)
-    finals: list[tuple[int, torch.Tensor]] = []
-    ckpt_writes: list[tuple[int, torch.Tensor]] = []
-    for b, S in enumerate(kb.initial_states(state_pool)):
-        if S is None:
-            continue
-        marks = kb.ckpts.get(b, [])
+    kb = prepare(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, scale,
+                 use_qk_l2norm, checkpoint_seq, checkpoint_offsets, checkpoint_slots)
+
+    def walk(b, S, marks, o, ckpt_writes):
         start = kb.cu[b]
         for i in range(kb.cu[b + 1] - start):
             t = start + i
@@ -75,6 +56,6 @@ def kda_recurrent(
             S = S + u[:, :, None] * kb.k[t][:, None, :]
             o[t] = torch.einsum("hvk,hk->hv", S, kb.q[t])
             ckpt_writes.extend((slot, S) for off, slot in marks if off == i + 1)
-        finals.append((kb.slots[b], S))
-    store(state_pool, finals + ckpt_writes)
-    return o.to(v.dtype)
+        return S
+
+    return run_sequences(kb, state_pool, v, walk)
