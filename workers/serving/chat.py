@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from k3serve.common import openai_protocol as P
 from k3serve.workers.chat.renderer import render_chat
 from k3serve.workers.serving.chat_output import ChatOutputBuilder
-from k3serve.workers.serving.context import (
-    ClientDisconnected,
-    ServingContext,
-    SSEResponse,
-    merge_streams,
-    run_until_disconnect,
-)
+from k3serve.workers.serving.context import ServingContext, respond
 from k3serve.workers.serving.deltas import DeltaTracker
 
 
@@ -49,35 +41,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     def usage() -> dict:
         return P.usage(len(ids), tracker.num_generated(), cached_tokens=tracker.cached_tokens)
 
-    if req.stream:
-        async def events():
-            try:
-                for chunk in builder.start_chunks():
-                    yield P.sse_data(chunk)
-                async with contextlib.aclosing(merge_streams(streams)) as outs:
-                    async for _, out in outs:
-                        for chunk in builder.chunks(tracker.update(out)):
-                            if req.continuous_usage:
-                                chunk["usage"] = usage()
-                            yield P.sse_data(chunk)
-                if req.include_usage:
-                    yield P.sse_data(builder.usage_chunk(usage()))
-            except P.ProtocolError as e:
-                yield P.sse_data(e.body())
-            finally:
-                for s in streams:
-                    s.abort()
-            yield P.SSE_DONE
-
-        return SSEResponse(events())
-
-    async def collect() -> dict:
-        async with contextlib.aclosing(merge_streams(streams)) as outs:
-            async for _, out in outs:
-                builder.add(tracker.update(out))
-        return builder.response(usage())
-
-    try:
-        return JSONResponse(await run_until_disconnect(request, collect()))
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await respond(
+        request, req, streams,
+        on_chunk=lambda _i, out: builder.chunks(tracker.update(out)),
+        on_collect=lambda _i, out: builder.add(tracker.update(out)),
+        response=builder.response, usage_chunk=builder.usage_chunk, usage=usage,
+        start_chunks=builder.start_chunks() if req.stream else ())

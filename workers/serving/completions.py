@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from k3serve.common import openai_protocol as P
 from k3serve.workers.serving.completion_output import CompletionOutputBuilder
-from k3serve.workers.serving.context import (
-    ClientDisconnected,
-    ServingContext,
-    SSEResponse,
-    merge_streams,
-    run_until_disconnect,
-)
+from k3serve.workers.serving.context import ServingContext, respond
 from k3serve.workers.serving.deltas import DeltaTracker
 
 
@@ -51,33 +43,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         return P.usage(sum(prompt_lens), sum(t.num_generated() for t in trackers),
                        cached_tokens=sum(t.cached_tokens for t in trackers))
 
-    if req.stream:
-        async def events():
-            try:
-                async with contextlib.aclosing(merge_streams(streams)) as outs:
-                    async for i, out in outs:
-                        for chunk in builder.chunks(i, trackers[i].update(out)):
-                            if req.continuous_usage:
-                                chunk["usage"] = usage()
-                            yield P.sse_data(chunk)
-                if req.include_usage:
-                    yield P.sse_data(builder.usage_chunk(usage()))
-            except P.ProtocolError as e:
-                yield P.sse_data(e.body())
-            finally:
-                for s in streams:
-                    s.abort()
-            yield P.SSE_DONE
-
-        return SSEResponse(events())
-
-    async def collect() -> dict:
-        async with contextlib.aclosing(merge_streams(streams)) as outs:
-            async for i, out in outs:
-                builder.add(i, trackers[i].update(out))
-        return builder.response(usage())
-
-    try:
-        return JSONResponse(await run_until_disconnect(request, collect()))
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await respond(
+        request, req, streams,
+        on_chunk=lambda i, out: builder.chunks(i, trackers[i].update(out)),
+        on_collect=lambda i, out: builder.add(i, trackers[i].update(out)),
+        response=builder.response, usage_chunk=builder.usage_chunk, usage=usage)

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
 from k3serve.common import openai_protocol as P
@@ -181,3 +182,47 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+async def respond(request, req, streams, *, on_chunk, on_collect, response, usage_chunk, usage,
+                  start_chunks=()):
+    """The tail every generation endpoint shares: SSE (start chunks, per-output chunks with optional
+    continuous usage, final usage chunk, error event, [DONE], abort on exit) or one JSON body, with a
+    client disconnect aborting the request (499).
+
+    on_chunk(i, out) -> list[dict]: stream chunks for output `out` of stream i;
+    on_collect(i, out): accumulate for the non-streaming body; response(usage) -> dict;
+    usage_chunk(usage) -> dict; usage() -> the current usage dict.
+    """
+    if req.stream:
+        async def events():
+            try:
+                for chunk in start_chunks:
+                    yield P.sse_data(chunk)
+                async with contextlib.aclosing(merge_streams(streams)) as outs:
+                    async for i, out in outs:
+                        for chunk in on_chunk(i, out):
+                            if req.continuous_usage:
+                                chunk["usage"] = usage()
+                            yield P.sse_data(chunk)
+                if req.include_usage:
+                    yield P.sse_data(usage_chunk(usage()))
+            except P.ProtocolError as e:
+                yield P.sse_data(e.body())
+            finally:
+                for s in streams:
+                    s.abort()
+            yield P.SSE_DONE
+
+        return SSEResponse(events())
+
+    async def collect() -> dict:
+        async with contextlib.aclosing(merge_streams(streams)) as outs:
+            async for i, out in outs:
+                on_collect(i, out)
+        return response(usage())
+
+    try:
+        return JSONResponse(await run_until_disconnect(request, collect()))
+    except ClientDisconnected:
+        return Response(status_code=499)
