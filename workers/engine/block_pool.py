@@ -172,11 +172,6 @@ class BlockPool:
             self.event_sink("stored", key, block, num_tokens)
         return True
 
-    def drop_keys(self, block: Block) -> None:
-        self._drop_keys(block)
-        if block.ref_cnt == 0 and block.block_id in self.free:
-            self.free.move_to_end(block.block_id, last=False)
-
     def _drop_keys(self, b: Block) -> None:
         if not b.keys:
             return
@@ -204,15 +199,6 @@ class BlockPool:
         b.key_tokens.clear()
         b.key_parent.clear()
         b.kind = ""
-
-    def reset_prefix_cache(self) -> int:
-        """Drop every key of unreferenced blocks; returns how many blocks were cleared."""
-        n = 0
-        for b in list(self.free.values()):
-            if b.is_hashed:
-                self.drop_keys(b)
-                n += 1
-        return n
 
     def _tick(self) -> int:
         self.clock += 1

@@ -366,8 +366,4 @@ class LLMEngine:
         return f"req-{next(self._ids)}"
 
 
-def kv_minimum_bytes(layout, max_model_len: int, caching: bool) -> int:
-    return layout.min_blocks_for(max_model_len, caching) * layout.bytes_per_block
-
-
-__all__ = ["LLMEngine", "EngineArgs", "KVEvent", "resolve_dtype", "kv_minimum_bytes"]
+__all__ = ["LLMEngine", "EngineArgs", "KVEvent", "resolve_dtype"]
