@@ -344,6 +344,11 @@ def main():
     ap.add_argument("--budget-s", type=float, default=330.0)
     ap.add_argument("--quick", action="store_true", help="a few small shapes only")
     ap.add_argument("--tsv", default=None)
+    ap.add_argument("--only", nargs="+", default=None, metavar="SECTION",
+                    help="run only these sections (kda-decode kda-decode-graph mla mla-tuning attn_res moe "
+                         "kda-prefill)")
+    ap.add_argument("--prefill-heads", type=int, nargs="+", default=None)
+    ap.add_argument("--prefill-T", type=int, nargs="+", default=None)
     args = ap.parse_args()
     t0 = time.time()
     deadline = t0 + args.budget_s
@@ -360,10 +365,13 @@ def main():
         ("mla tuning", lambda: mla_sweep_rows(out, [] if q else [(32, 1), (32, 32)])),
         ("attn_res", lambda: attn_res_rows(out, [64] if q else [1, 64, 4096])),
         ("moe", lambda: moe_rows(out, [8] if q else [1, 8, 64])),
-        ("kda prefill", lambda: kda_prefill_rows(fla_chunk, out, [32] if q else [32, 96, 12],
-                                                 [8192] if q else [4096, 8192, 16384, 32768, 65536], not q, deadline)),
+        ("kda prefill", lambda: kda_prefill_rows(
+            fla_chunk, out, args.prefill_heads or ([32] if q else [32, 96, 12]),
+            args.prefill_T or ([8192] if q else [4096, 8192, 16384, 32768, 65536]), not q, deadline)),
     ]
     for name, fn in sections:
+        if args.only and name.replace(" ", "-") not in args.only:
+            continue
         if time.time() > deadline and name != "kda prefill":
             print(f"# section {name} skipped (budget)", flush=True)
             continue

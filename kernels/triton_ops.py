@@ -17,6 +17,7 @@ from .triton import attn_res as _ar
 from .triton import kda_chunk as _kc
 from .triton import kda_decode as _kd
 from .triton import kda_recurrent as _kr
+from .triton import mla_cache as _mlc
 from .triton import mla_decode as _mla
 from .triton import moe as _moe
 
@@ -62,6 +63,11 @@ def _mla_paged_attention(q_lat, q_pe, kv_cache, block_tables, seq_lens, cu_seqle
     return fn(q_lat, q_pe, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, kv_lora_rank=kv_lora_rank)
 
 
+def _mla_write_cache(c_kv, k_pe, kv_cache, slot_mapping):
+    fn = _mlc.mla_write_cache_triton if _mlc.supported(c_kv, k_pe, kv_cache) else reference.mla_write_cache
+    return fn(c_kv, k_pe, kv_cache, slot_mapping)
+
+
 def _moe_route(router_logits, correction_bias, top_k, **kw):
     if router_logits.dtype == torch.float64:
         return reference.moe_route(router_logits, correction_bias, top_k, **kw)
@@ -80,6 +86,7 @@ IMPLS: dict[str, Callable] = {
     "kda_decode": _kda_decode,
     "attn_res": _attn_res,
     "mla_paged_attention": _mla_paged_attention,
+    "mla_write_cache": _mla_write_cache,
     "moe_route": _moe_route,
     "moe_experts": _moe_experts,
 }

@@ -80,3 +80,22 @@ def test_mla_paged_strided_cache_pages():
     out = mla_paged_attention_triton(ql, qp, cache, bt, torch.tensor([10]), cu_of([1]), 0.3, kv_lora_rank=L,
                                      block_n=16)
     assert rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_mla_write_cache(dt):
+    from k3serve.kernels.triton.mla_cache import mla_write_cache_triton
+
+    g = torch.Generator().manual_seed(11)
+    L, Rr, bs, nb, T = 32, 16, 4, 6, 9
+    kv_a = torch.randn(T, L + Rr + 8, generator=g).to(dt)  # k_pe a strided slice, as the model passes it
+    c_kv, k_pe = kv_a[:, :L].contiguous(), kv_a[:, L + 8:]
+    slots = torch.tensor([5, -1, 0, 23, 7, -1, 12, 13, 1])
+    # a padded page layout: the cache is a strided view of larger pages
+    pages = torch.full((nb, bs + 1, L + Rr), float("nan"), dtype=dt)
+    cache, ref = pages[:, :bs], pages.clone()[:, :bs]
+    R.mla_write_cache(c_kv, k_pe, ref, slots)
+    mla_write_cache_triton(c_kv, k_pe, cache, slots)
+    assert torch.equal(cache.isnan(), ref.isnan())  # the same rows written, the others untouched
+    assert torch.equal(torch.nan_to_num(cache), torch.nan_to_num(ref))
+    assert pages[:, bs].isnan().all()  # page padding never written

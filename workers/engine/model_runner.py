@@ -7,6 +7,7 @@ addresses (what CUDA-graph capture needs).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ import torch
 from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
 from k3serve.workers.engine.forward_batch import ForwardBatch
 from k3serve.workers.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 class InputBuffers:
@@ -187,23 +190,41 @@ class ModelRunner:
             self.num_static_decode_steps += 1
             if self.device.type == "cuda":
                 graph = self.graphs.get(size) or self._capture(size)
-                self.inputs.prepare_decode(sched, size)
-                graph.graph.replay()
-                return graph.logits[:n]
+                if graph is not None:
+                    self.inputs.prepare_decode(sched, size)
+                    graph.graph.replay()
+                    return graph.logits[:n]
+                if not self.static_decode:  # capture refused: this step and the next ones run eagerly
+                    self.num_static_decode_steps -= 1
+                    return self.model.forward(self.inputs.prepare(sched))
             return self.model.forward(self.inputs.prepare_decode(sched, size))[:n]
         batch = self.inputs.prepare(sched)
         return self.model.forward(batch)
 
-    def _capture(self, size: int) -> _Graph:
+    def _capture(self, size: int) -> _Graph | None:
         """Capture the decode step of `size` rows. Warm-up and capture run on an all-padding batch
         (state slots -1, cache slots -1), so no request's state is touched; a replay then reads
-        whatever `prepare_decode` wrote into the same persistent buffers."""
+        whatever `prepare_decode` wrote into the same persistent buffers.
+
+        The first warm-up runs with CUDA's sync debug mode set to "error": a decode step that waits
+        for the host anywhere (an op with no kernel for these shapes or dtypes falls back to a
+        reference op that does) cannot be captured, so graphs are switched off for this runner, with
+        one warning naming the cause, and decode steps run eagerly (returns None)."""
         batch = self.inputs.prepare_decode(None, size)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels and settle the allocator
-                self.model.forward(batch)
+            for i in range(2):  # compile the Triton kernels and settle the allocator
+                if i == 0:
+                    reason = self._host_sync_in_step(batch)
+                    if reason is not None:
+                        torch.cuda.current_stream().wait_stream(stream)
+                        self.static_decode = False
+                        log.warning("CUDA graphs off: the decode step synchronizes with the host (%s); "
+                                    "decode steps run eagerly", reason)
+                        return None
+                else:
+                    self.model.forward(batch)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
@@ -211,6 +232,20 @@ class ModelRunner:
         self._graph_pool = graph.pool()
         self.graphs[size] = _Graph(graph, batch, logits)
         return self.graphs[size]
+
+
+    def _host_sync_in_step(self, batch: ForwardBatch) -> str | None:
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self.model.forward(batch)
+        except RuntimeError as e:
+            if "synchroniz" not in str(e):
+                raise
+            return str(e).splitlines()[0][:200]
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        return None
 
 
 @dataclass

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (the `device` tool), carrying `.whl` (fla_core). Steps, in order given:
+#   tests      tests/gpu (kernels vs references, the engine end to end on CUDA, the small preset)
+#   roofline   benchmarks/decode_roofline.py with CUDA graphs, then --enforce-eager
+#   profile    benchmarks/kernel_profile.py (per-kernel breakdown)
+#   bench      benchmarks/kernels.py (full table; BENCH_ARGS adds arguments)
+# Logs go to $OUT/<step>.log.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/k3 . >/dev/null
+export PYTHONPATH=/tmp/k3:/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 K3SERVE_HOME=/tmp/k3home
+OUT=${OUT:-/tmp/out}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+for step in "$@"; do
+  t=$(date +%s)
+  case $step in
+    tests) python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 300 -rs -s 2>&1 | tee "$OUT/tests.log" | grep -v "^$" | tail -40 ;;
+    roofline) { python3 benchmarks/decode_roofline.py; python3 benchmarks/decode_roofline.py --enforce-eager; } 2>&1 | tee "$OUT/roofline.log" ;;
+    profile) python3 benchmarks/kernel_profile.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
+    bench) python3 benchmarks/kernels.py --tsv "$OUT/bench.tsv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  echo "# step $step: $(( $(date +%s) - t )) s"
+done
