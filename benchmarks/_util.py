@@ -86,3 +86,31 @@ def timeit(
             sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def kernel_breakdown(name: str, fn: Callable[[], Any], reps: int, top: int | None = None, warmup: int = 3) -> float:
+    """Profile `reps` calls of fn() with torch.profiler (CUDA activity) and print µs per call per kernel name,
+    largest first (`top` rows at most). Returns the kernels' total µs per call."""
+    from collections import defaultdict
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, float] = defaultdict(float)
+    cnt: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name] += getattr(ev, "device_time_total", None) or ev.cuda_time_total
+            cnt[ev.name] += 1
+    total = sum(per.values()) / reps
+    print(f"\n## {name}: {total:.1f} µs of kernels per call", flush=True)
+    for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {v / reps:9.1f} µs  x{cnt[k] / reps:5.1f}  {k[:110]}", flush=True)
+    return total

@@ -8,19 +8,25 @@ one with max_tokens = 1 (same prompts) gives the decode time of `steps` steps. R
 bytes that must move / copy bandwidth, with bytes = every non-expert weight once + the expected number of
 distinct active experts per MoE layer (E·(1-(1-k/E)^B)) x their packed bytes + KDA recurrent and conv
 state read+write per sequence and KDA layer + the MLA latent cache read per sequence and MLA layer.
-Prints one table: B, decode tokens/s, roofline tokens/s, fraction. (Not yet run on a GPU: written in the
-session whose device time ran out. The engine replays decode steps from captured CUDA graphs by default
-on CUDA; pass --enforce-eager to compare without them.)
+Prints one table: B, decode tokens/s, roofline tokens/s, fraction. The engine replays decode steps from
+captured CUDA graphs by default on CUDA; pass --enforce-eager to compare without them. A full generate per
+batch size runs first as warm-up (Triton compiles, graph captures), outside the timed region.
+`--profile` adds, per batch size, the GPU kernels of one timed generate (µs per decode step) and the host's
+share of a step (wall time per step minus kernel time per step).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import kernel_breakdown  # noqa: E402
 
 
 def copy_bandwidth() -> float:
@@ -64,6 +70,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (compare against them)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode steps")
     args = ap.parse_args()
     from k3serve.workers.llm import LLM
     from k3serve.workers.model.make_model import make_model
@@ -81,7 +88,7 @@ def main() -> int:
             prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]
             sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             spn = SamplingParams(max_tokens=1 + args.steps, temperature=0.0, ignore_eos=True)
-            llm.generate(prompts, sp1)  # warm-up (kernel compiles)
+            llm.generate(prompts, spn)  # warm-up: kernel compiles and the graph capture for this size
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             llm.generate(prompts, sp1)
@@ -94,6 +101,15 @@ def main() -> int:
             tok_s = B * args.steps / dec
             roof = B / (step_bytes(cfg, weights, B, args.prompt + args.steps // 2) / bw)
             rows.append((B, tok_s, roof))
+            print(f"# B={B}: {1e3 * dec / args.steps:.2f} ms per decode step "
+                  f"(graph replays {llm.engine.runner.num_static_decode_steps})", flush=True)
+            if args.profile:
+                k_pre = kernel_breakdown(f"B={B} prefill only", lambda p=prompts, s=sp1: llm.generate(p, s), 1, top=5)
+                k_all = kernel_breakdown(f"B={B} prefill + {args.steps} decode steps",
+                                         lambda p=prompts, s=spn: llm.generate(p, s), 1, top=25)
+                k_step = (k_all - k_pre) / args.steps
+                print(f"# B={B}: kernels {k_step:.0f} µs per decode step of {1e6 * dec / args.steps:.0f} µs wall",
+                      flush=True)
         print("| batch | decode tok/s | roofline tok/s | fraction |")
         for B, tok_s, roof in rows:
             print(f"| {B} | {tok_s:.0f} | {roof:.0f} | {100 * tok_s / roof:.0f}% |")

@@ -10,36 +10,18 @@ split vs merge, glue ops such as dtype casts) takes the time. Each case is warme
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from k3serve.kernels import ops
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import kernel_breakdown  # noqa: E402
+
 DEV = "cuda"
 BF = torch.bfloat16
-
-
-def breakdown(name: str, fn, reps: int) -> None:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    per = defaultdict(float)
-    cnt = defaultdict(int)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            cnt[ev.name] += 1
-    total = sum(per.values()) / reps
-    print(f"\n## {name}: {total:.1f} µs of kernels per call")
-    for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
-        print(f"  {v / reps:9.1f} µs  x{cnt[k] / reps:4.1f}  {k[:110]}")
 
 
 def kda_prefill(reps, T=8192, H=32):
@@ -52,14 +34,14 @@ def kda_prefill(reps, T=8192, H=32):
     cu = torch.tensor([0, T], device=DEV, dtype=torch.int32)
     slots = torch.zeros(1, device=DEV, dtype=torch.int32)
     init = torch.ones(1, dtype=torch.bool, device=DEV)
-    breakdown(f"ours kda_chunked T={T} H={H}", lambda: ops.kda_chunked(q, k, v, g, beta, pool, slots, cu, init), reps)
+    kernel_breakdown(f"ours kda_chunked T={T} H={H}", lambda: ops.kda_chunked(q, k, v, g, beta, pool, slots, cu, init), reps)
     try:
         from fla.ops.kda import chunk_kda
     except Exception as e:  # noqa: BLE001
         print(f"# no FLA: {e!r}")
         return
     h0 = pool.clone()
-    breakdown(f"FLA chunk_kda T={T} H={H}", lambda: chunk_kda(
+    kernel_breakdown(f"FLA chunk_kda T={T} H={H}", lambda: chunk_kda(
         q[None], k[None], v[None], g[None], beta[None], scale=K**-0.5, initial_state=h0, output_final_state=True,
         use_qk_l2norm_in_kernel=True, state_v_first=True, cu_seqlens=cu.long()), reps)
 
@@ -73,7 +55,7 @@ def mla(reps, B=1, Hh=32, ctx=32768, bs=64):
     qp = torch.randn(B, Hh, R, device=DEV, dtype=BF) * 0.1
     sl = torch.full((B,), ctx, device=DEV, dtype=torch.int32)
     cu = torch.arange(B + 1, device=DEV, dtype=torch.int32)
-    breakdown(f"mla B={B} H={Hh} ctx={ctx}",
+    kernel_breakdown(f"mla B={B} H={Hh} ctx={ctx}",
               lambda: ops.mla_paged_attention(ql, qp, cache, bt, sl, cu, 192**-0.5, kv_lora_rank=L), reps)
 
 
@@ -81,7 +63,7 @@ def attn_res(reps, T=4096, D=7168, n=8):
     p, d = torch.randn(T, D, device=DEV, dtype=BF), torch.randn(T, D, device=DEV, dtype=BF)
     b = torch.randn(T, 9, D, device=DEV, dtype=BF)
     wn, wq, wo = torch.rand(D, device=DEV) + 0.5, torch.randn(1, D, device=DEV) * 0.05, torch.rand(D, device=DEV)
-    breakdown(f"attn_res T={T}", lambda: ops.attn_res(p, d, b, wn, wq, wo, n, -1, 1e-5, round_dtype=BF), reps)
+    kernel_breakdown(f"attn_res T={T}", lambda: ops.attn_res(p, d, b, wn, wq, wo, n, -1, 1e-5, round_dtype=BF), reps)
 
 
 def kda_decode(reps, N=256, H=32):
@@ -97,7 +79,7 @@ def kda_decode(reps, N=256, H=32):
     pool = torch.randn(N, H, V, K, device=DEV) * 0.1
     si = torch.arange(N, device=DEV, dtype=torch.int32)
     init = torch.ones(N, dtype=torch.bool, device=DEV)
-    breakdown(f"kda_decode fused N={N} H={H}", lambda: ops.kda_decode(
+    kernel_breakdown(f"kda_decode fused N={N} H={H}", lambda: ops.kda_decode(
         qkv, cw, cs, rg, al, dtb, bl, gate, onw, pool, si, init, lower_bound=-5.0), reps)
 
 

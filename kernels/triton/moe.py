@@ -289,7 +289,7 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     BN1 = min(32, max(16, next_pow2(I)))
     _moe_gemm1_kernel[(P, triton.cdiv(I, BN1))](
         zc, sid, order, starts, W1, S1, h, P, DIN, I, TOPK, zc.stride(0), W1.stride(0), W1.stride(1),
-        S1.stride(0) if fp4_1 else 0, S1.stride(1) if fp4_1 else 0, float(situ_beta),
+        S1.stride(0) if fp4_1 else 0, S1.stride(1) if fp4_1 else 0, float(4.0 if situ_beta is None else situ_beta),
         float(situ_linear_beta or 1.0), BN=BN1, BK=128 if DIN >= 128 else max(32, next_pow2(DIN)), FP4=fp4_1,
         SITU=activation == "situ", HAS_LIN=situ_linear_beta is not None, PREC=prec, num_warps=8,
     )

@@ -21,7 +21,7 @@ from k3serve.workers.model.reference import load_reference_model  # noqa: E402
 from k3serve.workers.model.testing import write_random_model  # noqa: E402
 from k3serve.workers.sampling_params import SamplingParams  # noqa: E402
 
-MARGIN = {"float32": 2e-3, "bfloat16": 8e-2}  # x max |logit| of the row
+MARGIN = 2e-3  # x max |logit| of the row: fp32 rounding
 EXACT = {"float32": 0.97, "bfloat16": 0.75}
 
 
@@ -31,21 +31,30 @@ def prompts_for(seed: int, n: int, vocab: int, shared: int = 0, hi: int = 300) -
     return [prefix + [rng.randrange(vocab) for _ in range(rng.randint(1, hi))] for _ in range(n)]
 
 
-def teacher_forced_check(ref, prompts, outs, dtype: str) -> tuple[int, int]:
-    """Asserts every engine token is (near) the reference argmax; returns (exact, total)."""
+def teacher_forced_check(ref, prompts, outs, noise_ref=None) -> tuple[int, int]:
+    """Asserts every engine token is (near) the float64 reference's argmax; returns (exact, total).
+
+    fp32 engines: within MARGIN x the row's largest |logit|. bf16 engines: the allowed gap at a position is
+    3x the error the plain reference forward itself makes there when run in bf16 (`noise_ref`: max over the
+    vocabulary of |bf16 reference logits - float64 reference logits|), plus the fp32 margin: tokens whose
+    logits are closer than bf16's own rounding noise may legitimately come out either way."""
     exact = total = 0
     for p, out in zip(prompts, outs, strict=True):
         assert len(out) > 0
         seq = list(p) + list(out[:-1])
         with torch.no_grad():
             lg = ref.logits(seq)[len(p) - 1:].double().cpu()
+            noise = None
+            if noise_ref is not None:
+                noise = (noise_ref.logits(seq)[len(p) - 1:].double().cpu() - lg).abs().amax(-1)
         for j, tok in enumerate(out):
             row = lg[j]
             gap = float(row.max() - row[tok])
             scale = float(row.abs().max().clamp_min(1.0))
-            assert gap <= MARGIN[dtype] * scale, (
+            allowed = MARGIN * scale + (3 * float(noise[j]) if noise is not None else 0.0)
+            assert gap <= allowed, (
                 f"position {j} of a {len(p)}-token prompt: engine token {tok} is {gap:.4g} below the reference "
-                f"argmax {int(row.argmax())} (scale {scale:.3g})")
+                f"argmax {int(row.argmax())} (allowed {allowed:.3g}, scale {scale:.3g})")
             exact += int(tok == int(row.argmax()))
             total += 1
     return exact, total
@@ -74,7 +83,10 @@ def test_tiny_engine_on_cuda(tiny_model_dir, tiny_ref, dtype, graphs):
         assert runner.static_decode and runner.graphs and runner.num_static_decode_steps > 0
     else:
         assert not runner.graphs and runner.num_static_decode_steps == 0
-    exact, total = teacher_forced_check(tiny_ref, prompts, outs, dtype)
+    noise_ref = None
+    if dtype == "bfloat16":
+        noise_ref = load_reference_model(str(tiny_model_dir), dtype=torch.bfloat16, device="cuda")
+    exact, total = teacher_forced_check(tiny_ref, prompts, outs, noise_ref)
     assert exact >= EXACT[dtype] * total, f"{exact}/{total} tokens are the reference argmax"
 
 
@@ -99,7 +111,7 @@ def test_tiny_engine_cuda_prefix_cache_and_preemption(tiny_model_dir, tiny_ref):
     prompts, outs = first, []
     for _turn in range(3):
         res = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        exact, total = teacher_forced_check(tiny_ref, prompts, res, "float32")
+        exact, total = teacher_forced_check(tiny_ref, prompts, res)
         assert exact >= EXACT["float32"] * total
         outs.append(res)
         prompts = [p + r + [rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for p, r in zip(prompts, res)]
@@ -117,6 +129,6 @@ def test_random_config_engine_on_cuda(tmp_path, seed):
     ref = load_reference_model(str(d), dtype=torch.float64, device="cuda")
     prompts = prompts_for(seed, 8, ref.cfg.vocab_size, hi=120)
     outs, llm = run_engine(d, prompts, 16, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
-    exact, total = teacher_forced_check(ref, prompts, outs, "float32")
+    exact, total = teacher_forced_check(ref, prompts, outs)
     assert exact >= EXACT["float32"] * total
     print(f"seed {seed}: graphs {sorted(llm.engine.runner.graphs)} static={llm.engine.runner.static_decode}")
