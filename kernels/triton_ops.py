@@ -14,6 +14,7 @@ import torch
 from . import reference
 from .ops import register_impl
 from .triton import attn_res as _ar
+from .triton import conv as _cv
 from .triton import kda_chunk as _kc
 from .triton import kda_decode as _kd
 from .triton import kda_recurrent as _kr
@@ -41,6 +42,11 @@ def _kda_recurrent(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_
         return _kc.kda_chunked_triton(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state,
                                       **kw)
     return _kr.kda_recurrent_triton(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, **kw)
+
+
+def _causal_conv1d_varlen(x, weight, conv_states, state_indices, cu_seqlens, has_initial_state, **kw):
+    fn = _cv.causal_conv1d_varlen_triton if _cv.supported(x, weight, conv_states) else reference.causal_conv1d_varlen
+    return fn(x, weight, conv_states, state_indices, cu_seqlens, has_initial_state, **kw)
 
 
 def _kda_decode(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit, gate, o_norm_weight, state_pool,
@@ -84,6 +90,7 @@ IMPLS: dict[str, Callable] = {
     "kda_chunked": _kda_chunked,
     "kda_recurrent": _kda_recurrent,
     "kda_decode": _kda_decode,
+    "causal_conv1d_varlen": _causal_conv1d_varlen,
     "attn_res": _attn_res,
     "mla_paged_attention": _mla_paged_attention,
     "mla_write_cache": _mla_write_cache,

@@ -247,3 +247,46 @@ def test_moe_experts_gpu(T, fp4, dt):
                         **{a: t.to(DEV) for a, t in kw.items()})
     torch.cuda.synchronize()
     assert rel(o, ref) < TOL[dt], rel(o, ref)
+
+
+# ---------------------------------------------------------------- causal conv (prefill) and MLA cache write
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_varlen_gpu(dt):
+    g = gen()
+    C, K = 3 * 4 * 128, 4
+    lens = [700, 1, 0, 33, 2, 129]
+    slots = torch.tensor([3, 0, 5, 1, -1, 7])
+    init = torch.tensor([True, True, False, False, True, True])
+    x = torch.randn(sum(lens), C, generator=g).to(dt)
+    w = torch.randn(C, K, generator=g)
+    pool = torch.randn(10, C, K - 1, generator=g).to(dt)
+    pool[[2, 4, 6, 8, 9]] = float("nan")  # never read (checkpoint targets or unused)
+    ck = dict(checkpoint_seq=torch.tensor([0, 0, 3, 5]), checkpoint_offsets=torch.tensor([1, 512, 33, 64]),
+              checkpoint_slots=torch.tensor([2, 4, 6, 8]))
+    ref_pool = pool.double()
+    ref = reference.causal_conv1d_varlen(x.double(), w.double(), ref_pool, slots, cu_of(lens), init, **ck)
+    dpool = pool.to(DEV)
+    poison_allocator()
+    y = ops.causal_conv1d_varlen(x.to(DEV), w.to(DEV), dpool, slots.to(DEV), cu_of(lens).to(DEV), init.to(DEV),
+                                 **{a: t.to(DEV) for a, t in ck.items()})
+    torch.cuda.synchronize()
+    assert rel(y, ref) < TOL[dt]
+    written = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert rel(dpool[written], ref_pool[written]) < TOL[dt]
+    assert dpool[9].isnan().all()
+
+
+def test_mla_write_cache_gpu():
+    g = gen()
+    L, R, bs = 512, 64, 16
+    kv_a = torch.randn(40, L + R + 8, generator=g).to(torch.bfloat16).to(DEV)
+    c_kv, k_pe = kv_a[:, :L].contiguous(), kv_a[:, L + 8:]
+    slots = torch.randperm(8 * bs, generator=g)[:40].to(DEV)
+    slots[[3, 17]] = -1
+    cache = torch.full((8, bs, L + R), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ref = cache.clone()
+    reference.mla_write_cache(c_kv, k_pe, ref, slots)
+    ops.mla_write_cache(c_kv, k_pe, cache, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.isnan(), ref.isnan())
+    assert torch.equal(torch.nan_to_num(cache), torch.nan_to_num(ref))
