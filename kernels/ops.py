@@ -4,7 +4,9 @@ Dispatch happens in ONE place, `_impl(name, tensor)`: a tensor on CUDA goes to t
 registered for the "triton" backend under that op name (if any), everything else to
 `k3serve.kernels.reference`. A Triton package registers itself with `register_impl(name, fn)`; the
 module `k3serve.kernels.triton_ops`, if it exists, is imported on the first CUDA call so it can do so.
-Setting the environment variable K3SERVE_KERNELS=reference forces the reference ops everywhere.
+Setting the environment variable K3SERVE_KERNELS=reference forces the reference ops everywhere;
+K3SERVE_KERNELS=triton sends CPU tensors to the Triton registrations too, which only makes sense under
+Triton's CPU interpreter (TRITON_INTERPRET=1): it runs the whole engine on the kernels without a GPU.
 Registered functions must have exactly the reference signature (see the reference docstrings).
 """
 
@@ -55,7 +57,8 @@ def _autoload() -> None:
 
 def _impl(name: str, tensor: torch.Tensor) -> Callable:
     """The implementation of op `name` for data living where `tensor` lives."""
-    if tensor.is_cuda and os.environ.get("K3SERVE_KERNELS", "") != "reference":
+    mode = os.environ.get("K3SERVE_KERNELS", "")
+    if (tensor.is_cuda and mode != "reference") or mode == "triton":
         _autoload()
         fn = _registry[TRITON].get(name)
         if fn is not None:
