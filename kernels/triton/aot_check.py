@@ -59,18 +59,30 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, target: GPUTarget
     names = [p.name for p in fn.params]
     bound = dict(zip(names, args))
     bound.update(kwargs)
-    signature, constexprs = {}, {}
-    for p in fn.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
         v = bound[p.name]
         if p.is_constexpr:
             signature[p.name] = "constexpr"
             constexprs[p.name] = v
-        else:
-            signature[p.name] = _sig(v)
+            continue
+        signature[p.name] = _sig(v)
+        if p.do_not_specialize:
+            continue
+        # the launcher's specialisation: 16-byte aligned pointers and ints divisible by 16 get the
+        # divisibility hint (vector loads, async copies), an int equal to 1 becomes a constant
+        if isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, int) and not isinstance(v, bool):
+            if v == 1:
+                signature[p.name] = "constexpr"
+                constexprs[p.name] = 1
+            elif v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     rep = CompileReport(fn.__name__, {k: v for k, v in constexprs.items() if not hasattr(v, "name")},
                         opts.get("num_warps", 4))
     try:
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         ck = triton_compile(src, target=target, options=opts)
         rep.shared = ck.metadata.shared
         ptx = ck.asm.get("ptx", "")

@@ -229,11 +229,255 @@ def _moe_gemm2_kernel(h_ptr, sid_ptr, order_ptr, start_ptr, w_ptr, s_ptr, tw_ptr
         tl.atomic_add(out_ptr + tok[:, None] * DOUT + rn[None, :], acc * wt[:, None], mask=rm[:, None] & mn[None, :])
 
 
-def route_blocks(topk_ids: torch.Tensor, E: int):
+# ------------------------------------------------------------------ lean MXFP4 decode
+# The packed weights are read as int32 words (8 nibbles = elements 8j..8j+7 of word j, element 8j+i in
+# bits 4i..4i+3); a group of 32 elements (one e8m0 scale) is 4 consecutive words. One nibble decodes with
+# 3 integer ops: shift it to the top, arithmetic-shift right by 6 (the sign lands in bit 31 and fills 25..30,
+# the 3 magnitude bits land in 22..24), mask. Read as fp32 that is exactly value·2^-126 (code ±0.5, the
+# only one with exponent bits 00, is an fp32 denormal; the kernels compile without flush-to-zero).
+# The missing 2^126·2^(s-127) is multiplied in as powers of two, so every step is exact:
+# * "gemv" (fp32 FMAs on the decoded values): x carries 2^64 (x·2^64, exact for |x| < 2^64; gemm1 stores h
+#   pre-multiplied) and each group's partial sum gets 2^(s-65) = bits (s + 62) << 23 (s <= 192). Products
+#   stay normal fp32 while |x·w| >= ~2^-64.
+# * "dot" (bf16/fp32 tl.dot operands): value·2^(s-127)·2^-32 = decoded · bits((s + 94) << 23) (s <= 160), a
+#   normal number for any realistic weight; the accumulator is multiplied by 2^32 at the end (products
+#   underflow only below |x·w| ~ 2^-94).
+X_SCALE: tl.constexpr = tl.constexpr(18446744073709551616.0)  # 2^64 ("gemv")
+DOT_SCALE: tl.constexpr = tl.constexpr(4294967296.0)  # 2^32 ("dot")
+_DN_MASK: tl.constexpr = tl.constexpr(0x81C00000 - (1 << 32))  # sign bit + 3 magnitude bits, as an int32
+
+
+@triton.jit
+def _dn(wd, i: tl.constexpr):
+    """Nibble i of int32 words (element 8j+i of word j) -> fp32 value·2^-126 (see the comment above)."""
+    return (((wd << (28 - 4 * i)) >> 6) & _DN_MASK).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_factor(s, B: tl.constexpr):
+    """e8m0 scale bytes (int32) -> 2^(s-127)·2^(B-1) as fp32: B = 62 for "gemv", 94 for "dot" (see above)."""
+    return ((s + B) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_rows(x_ptr, w_ptr, s_ptr, e, rn, mn, KIN, w_e, w_n, s_e, s_n, BN: tl.constexpr, BK: tl.constexpr,
+               FP4: tl.constexpr, X_MUL: tl.constexpr, TWO: tl.constexpr, ROW2):
+    """y[BN] = W_e[rn, :KIN] · x (and, if TWO, y2 for rows rn + ROW2), one activation row x, fp32 FMAs.
+
+    MXFP4: `w_ptr` is the packed weight as int32 words (row stride w_n words); tiles are [G groups, BN rows,
+    4 words] so a lane owns whole groups (one scale each) and its rows share its x values; nibble i of
+    every word is one FMA pass. x is multiplied by X_MUL (2^64, or 1 when stored pre-multiplied).
+    Dense: plain [BN, BK] tiles.
+    """
+    if FP4:
+        G: tl.constexpr = BK // 32
+        rg = tl.arange(0, G)
+        rw = tl.arange(0, 4)
+        acc = tl.zeros([G, BN], dtype=tl.float32)
+        acc2 = tl.zeros([G, BN], dtype=tl.float32)
+        NG = KIN // 32
+        for k0 in range(0, NG, G):
+            gi = k0 + rg
+            gm = gi < NG
+            wi = gi[:, None] * 4 + rw[None, :]
+            m2 = gm[:, None] & mn[None, :]
+            woff = e * w_e + rn[None, :, None] * w_n + wi[:, None, :]
+            soff = e * s_e + rn[None, :] * s_n + gi[:, None]
+            wd = tl.load(w_ptr + woff, mask=m2[:, :, None], other=0)
+            f = _group_factor(tl.load(s_ptr + soff, mask=m2, other=0).to(tl.int32), 62)
+            part = tl.zeros([G, BN, 4], dtype=tl.float32)
+            if TWO:
+                wd2 = tl.load(w_ptr + woff + ROW2 * w_n, mask=m2[:, :, None], other=0)
+                f2 = _group_factor(tl.load(s_ptr + soff + ROW2 * s_n, mask=m2, other=0).to(tl.int32), 62)
+                part2 = tl.zeros([G, BN, 4], dtype=tl.float32)
+            for i in tl.static_range(8):
+                xi = tl.load(x_ptr + wi * 8 + i, mask=gm[:, None], other=0.0).to(tl.float32)
+                if X_MUL != 1.0:
+                    xi = xi * X_MUL
+                part += _dn(wd, i) * xi[:, None, :]
+                if TWO:
+                    part2 += _dn(wd2, i) * xi[:, None, :]
+            acc += tl.sum(part, axis=2) * f
+            if TWO:
+                acc2 += tl.sum(part2, axis=2) * f2
+        return tl.sum(acc, axis=0), tl.sum(acc2, axis=0)
+    else:
+        rk = tl.arange(0, BK)
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in range(0, KIN, BK):
+            kk = k0 + rk
+            km = kk < KIN
+            x = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            m2 = mn[:, None] & km[None, :]
+            woff = e * w_e + rn[:, None] * w_n + kk[None, :]
+            acc += tl.load(w_ptr + woff, mask=m2, other=0.0).to(tl.float32) * x[None, :]
+            if TWO:
+                acc2 += tl.load(w_ptr + woff + ROW2 * w_n, mask=m2, other=0.0).to(tl.float32) * x[None, :]
+        return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+
+
+@triton.jit
+def _moe_gemv1_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, DIN, I, TOPK, z_stride, w_e, w_n, s_e, s_n,
+                      situ_beta, lin_beta, h_mult, BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr,
+                      SITU: tl.constexpr, HAS_LIN: tl.constexpr):
+    """Decode path, gate/up: one routed pair (token, k) x one tile of BN rows of I per program (no sorting).
+
+    h[pair, rn] = act(gate)·up (times h_mult: 2^64 when the down GEMM decodes MXFP4, see X_SCALE).
+    """
+    pr = tl.program_id(0)
+    nt = tl.program_id(1)
+    e = tl.load(ids_ptr + pr)
+    if e >= 0:
+        tok = (pr // TOPK).to(tl.int64)
+        rn = nt * BN + tl.arange(0, BN)
+        mn = rn < I
+        g, u = _gemv_rows(z_ptr + tok * z_stride, w_ptr, s_ptr, e, rn, mn, DIN, w_e, w_n, s_e, s_n, BN, BK, FP4,
+                          X_SCALE if FP4 else 1.0, True, I)
+        if SITU:
+            g = situ_beta * (2.0 * tl.sigmoid(2.0 * g / situ_beta) - 1.0) * tl.sigmoid(g)
+            if HAS_LIN:
+                u = lin_beta * (2.0 * tl.sigmoid(2.0 * u / lin_beta) - 1.0)
+        else:
+            g = g * tl.sigmoid(g)
+        tl.store(h_ptr + pr.to(tl.int64) * I + rn, (g * u * h_mult).to(h_ptr.dtype.element_ty), mask=mn)
+
+
+@triton.jit
+def _moe_gemv2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, I, DOUT, TOPK, w_e, w_n, s_e, s_n,
+                      BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr, LOOP: tl.constexpr):
+    """Decode path, down GEMM + combine. LOOP=False: one pair x one tile of DOUT per program, fp32 atomic
+    adds into out. LOOP=True: one token x one tile per program, its TOPK pairs summed in registers and
+    stored once (out in the activation dtype, no zero fill, no atomics)."""
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = rn < DOUT
+    if LOOP:
+        tok = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for j in range(TOPK):
+            pr = tok * TOPK + j
+            e = tl.load(ids_ptr + pr)
+            if e >= 0:
+                y, _ = _gemv_rows(h_ptr + pr * I, w_ptr, s_ptr, e, rn, mn, I, w_e, w_n, s_e, s_n, BN, BK, FP4,
+                                  1.0, False, 0)
+                acc += y * tl.load(tw_ptr + pr).to(tl.float32)
+        tl.store(out_ptr + tok * DOUT + rn, acc.to(out_ptr.dtype.element_ty), mask=mn)
+    else:
+        pr = tl.program_id(0).to(tl.int64)
+        e = tl.load(ids_ptr + pr)
+        if e >= 0:
+            y, _ = _gemv_rows(h_ptr + pr * I, w_ptr, s_ptr, e, rn, mn, I, w_e, w_n, s_e, s_n, BN, BK, FP4, 1.0,
+                              False, 0)
+            tl.atomic_add(out_ptr + (pr // TOPK) * DOUT + rn, y * tl.load(tw_ptr + pr).to(tl.float32), mask=mn)
+
+
+@triton.jit
+def _dot_rows(x_ptr, x_stride, rows, rm, w_ptr, s_ptr, e, rn, mn, KIN, w_e, w_n, s_e, s_n, BN: tl.constexpr,
+              BK: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr, TWO: tl.constexpr, ROW2):
+    """Like `_gemm_rows` (acc[16, BN] = x[rows] @ W_e[rn]ᵀ, and acc2 for rows rn + ROW2 if TWO), with the lean
+    MXFP4 decode: int32 words [BN, G, 4]; nibble i of every word forms the K = BK/8 operand of one tl.dot
+    (x gathered with stride 8 to match). The operand is value·2^(s-127)·2^-32 (`_group_factor`), so the
+    result is multiplied by 2^32 at the end."""
+    acc = tl.zeros([16, BN], dtype=tl.float32)
+    acc2 = tl.zeros([16, BN], dtype=tl.float32)
+    DT = x_ptr.dtype.element_ty
+    if FP4:
+        G: tl.constexpr = BK // 32
+        W: tl.constexpr = BK // 8
+        rg = tl.arange(0, G)
+        rw = tl.arange(0, 4)
+        rj = tl.arange(0, W)
+        NG = KIN // 32
+        for k0 in range(0, NG, G):
+            gi = k0 + rg
+            gm = gi < NG
+            wi = gi[:, None] * 4 + rw[None, :]
+            m2 = mn[:, None] & gm[None, :]
+            woff = e * w_e + rn[:, None, None] * w_n + wi[None, :, :]
+            soff = e * s_e + rn[:, None] * s_n + gi[None, :]
+            wd = tl.load(w_ptr + woff, mask=m2[:, :, None], other=0)
+            f = _group_factor(tl.load(s_ptr + soff, mask=m2, other=0).to(tl.int32), 94)[:, :, None]
+            if TWO:
+                wd2 = tl.load(w_ptr + woff + ROW2 * w_n, mask=m2[:, :, None], other=0)
+                f2 = _group_factor(tl.load(s_ptr + soff + ROW2 * s_n, mask=m2, other=0).to(tl.int32),
+                                   94)[:, :, None]
+            kj = k0 * 4 + rj
+            xm = rm[:, None] & (kj < NG * 4)[None, :]
+            for i in tl.static_range(8):
+                xi = tl.load(x_ptr + rows[:, None] * x_stride + kj[None, :] * 8 + i, mask=xm, other=0.0)
+                vi = tl.reshape((_dn(wd, i) * f).to(DT), [BN, W])
+                acc = tl.dot(xi, tl.trans(vi), acc, input_precision=PREC)
+                if TWO:
+                    vi2 = tl.reshape((_dn(wd2, i) * f2).to(DT), [BN, W])
+                    acc2 = tl.dot(xi, tl.trans(vi2), acc2, input_precision=PREC)
+        acc = acc * DOT_SCALE
+        acc2 = acc2 * DOT_SCALE
+    else:
+        rk = tl.arange(0, BK)
+        for k0 in range(0, KIN, BK):
+            kk = k0 + rk
+            km = kk < KIN
+            xt = tl.load(x_ptr + rows[:, None] * x_stride + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            wt = tl.load(w_ptr + e * w_e + rn[:, None] * w_n + kk[None, :], mask=mn[:, None] & km[None, :], other=0.0)
+            if TWO:
+                wt2 = tl.load(w_ptr + e * w_e + (rn + ROW2)[:, None] * w_n + kk[None, :],
+                              mask=mn[:, None] & km[None, :], other=0.0)
+                acc2 += tl.dot(xt, tl.trans(wt2.to(DT)), input_precision=PREC)
+            acc += tl.dot(xt, tl.trans(wt.to(DT)), input_precision=PREC)
+    return acc, acc2
+
+
+@triton.jit
+def _moe_dot1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_ptr, h_ptr, P, DIN, I, TOPK, z_stride,
+                     w_e, w_n, s_e, s_n, situ_beta, lin_beta, BN: tl.constexpr, BK: tl.constexpr,
+                     FP4: tl.constexpr, SITU: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr):
+    """Gate/up GEMM over sorted blocks, persistent: work items (block, N tile) up to the device-side block
+    count, so no program is launched for a block that does not exist (graph-safe: the grid is static)."""
+    NT = tl.cdiv(I, BN)
+    nblk = tl.load(nblk_ptr)
+    for w in range(tl.program_id(0), nblk * NT, tl.num_programs(0)):
+        blk = w % nblk
+        nt = w // nblk
+        st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK)
+        rn = nt * BN + tl.arange(0, BN)
+        mn = rn < I
+        g, u = _dot_rows(z_ptr, z_stride, tok, rm, w_ptr, s_ptr, e, rn, mn, DIN, w_e, w_n, s_e, s_n, BN, BK, FP4,
+                         PREC, True, I)
+        if SITU:
+            g = situ_beta * (2.0 * tl.sigmoid(2.0 * g / situ_beta) - 1.0) * tl.sigmoid(g)
+            if HAS_LIN:
+                u = lin_beta * (2.0 * tl.sigmoid(2.0 * u / lin_beta) - 1.0)
+        else:
+            g = g * tl.sigmoid(g)
+        tl.store(h_ptr + r.to(tl.int64)[:, None] * I + rn[None, :], (g * u).to(h_ptr.dtype.element_ty),
+                 mask=rm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _moe_dot2_kernel(h_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, P, I, DOUT,
+                     TOPK, w_e, w_n, s_e, s_n, BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr,
+                     PREC: tl.constexpr):
+    """Down GEMM + weighted combine (fp32 atomic adds) over sorted blocks, persistent like `_moe_dot1_kernel`."""
+    NT = tl.cdiv(DOUT, BN)
+    nblk = tl.load(nblk_ptr)
+    for w in range(tl.program_id(0), nblk * NT, tl.num_programs(0)):
+        blk = w % nblk
+        nt = w // nblk
+        st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK)
+        rn = nt * BN + tl.arange(0, BN)
+        mn = rn < DOUT
+        acc, _ = _dot_rows(h_ptr, I, r.to(tl.int64), rm, w_ptr, s_ptr, e, rn, mn, I, w_e, w_n, s_e, s_n, BN, BK,
+                           FP4, PREC, False, 0)
+        wt = tl.load(tw_ptr + pair, mask=rm, other=0.0).to(tl.float32)
+        tl.atomic_add(out_ptr + tok[:, None] * DOUT + rn[None, :], acc * wt[:, None], mask=rm[:, None] & mn[None, :])
+
+
+def route_blocks(topk_ids: torch.Tensor, E: int, count: bool = False):
     """Sort routed pairs by expert and cut them into blocks of <= 16 pairs of one expert, on the device.
 
     Returns (sorted expert ids int32 [P] (invalid ids sorted last as E), pair order int32 [P] (pair = t*k + j),
-    block starts int32 [P] (position of each block's first pair, -1 past the last block)).
+    block starts int32 [P] (position of each block's first pair, -1 past the last block)); with count=True
+    also the number of blocks as an int32 [1] device tensor.
     """
     P = topk_ids.numel()
     dev = topk_ids.device
@@ -248,7 +492,10 @@ def route_blocks(topk_ids: torch.Tensor, E: int):
     bidx = torch.cumsum(is_start.to(torch.int64), 0) - 1
     starts = torch.full((P + 1,), -1, dtype=torch.int64, device=dev)
     starts.scatter_(0, torch.where(is_start, bidx, torch.full_like(bidx, P)), pos)
-    return sid.to(torch.int32), order.to(torch.int32), starts[:P].to(torch.int32)
+    res = sid.to(torch.int32), order.to(torch.int32), starts[:P].to(torch.int32)
+    if count:
+        return (*res, (bidx[-1:] + 1).to(torch.int32))
+    return res
 
 
 def _weights(dense, packed, scale, what):
@@ -263,11 +510,126 @@ def supported(z, w13, w2) -> bool:
     return z.dtype != torch.float64 and all(w is None or w.dtype != torch.float64 for w in (w13, w2))
 
 
+def _words(packed):
+    """uint8 [E, N, K/2] packed MXFP4 -> the same bytes as int32 [E, N, K/8] (K % 32 == 0 by the format)."""
+    return packed.contiguous().view(torch.int32)
+
+
+def _launch_opts(num_warps, num_stages):
+    return dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+
+
+def _gemv_path(zc, tw, topk_ids, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, TOPK, act_args, tiles, warps,
+               num_stages, combine):
+    P = T * TOPK
+    dev = zc.device
+    ids = topk_ids.reshape(-1).contiguous()
+    if fp4_1:
+        W1 = _words(W1)
+    if fp4_2:
+        W2 = _words(W2)
+    h = torch.empty(P, I, dtype=zc.dtype, device=dev)
+    bn1, bk1, bn2, bk2 = tiles
+    situ_beta, lin_beta, situ, has_lin = act_args
+    _moe_gemv1_kernel[(P, triton.cdiv(I, bn1))](
+        zc, ids, W1, S1, h, DIN, I, TOPK, zc.stride(0), W1.stride(0), W1.stride(1),
+        S1.stride(0) if fp4_1 else 0, S1.stride(1) if fp4_1 else 0, situ_beta, lin_beta,
+        float(2.0**64) if fp4_2 else 1.0, BN=bn1, BK=bk1, FP4=fp4_1, SITU=situ, HAS_LIN=has_lin,
+        **_launch_opts(warps[0], num_stages),
+    )
+    loop = combine == "loop"
+    out = torch.empty(T, DOUT, dtype=zc.dtype, device=dev) if loop else torch.zeros(T, DOUT, dtype=torch.float32,
+                                                                                   device=dev)
+    _moe_gemv2_kernel[(T if loop else P, triton.cdiv(DOUT, bn2))](
+        h, ids, W2, S2, tw, out, I, DOUT, TOPK, W2.stride(0), W2.stride(1), S2.stride(0) if fp4_2 else 0,
+        S2.stride(1) if fp4_2 else 0, BN=bn2, BK=bk2, FP4=fp4_2, LOOP=loop, **_launch_opts(warps[1], num_stages),
+    )
+    return out if loop else out.to(zc.dtype)
+
+
+def _num_sms(dev) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return 132  # H200 (interpreter / ahead-of-time compiles)
+
+
+def _dot_path(zc, tw, topk_ids, E, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, TOPK, act_args, tiles, warps,
+              num_stages, programs):
+    P = T * TOPK
+    dev = zc.device
+    sid, order, starts, nblk = route_blocks(topk_ids, E, count=True)
+    if fp4_1:
+        W1 = _words(W1)
+    if fp4_2:
+        W2 = _words(W2)
+    h = torch.empty(P, I, dtype=zc.dtype, device=dev)
+    out = torch.zeros(T, DOUT, dtype=torch.float32, device=dev)
+    prec = dot_precision(zc.dtype)
+    bn1, bk1, bn2, bk2 = tiles
+    situ_beta, lin_beta, situ, has_lin = act_args
+    cap = programs or 4 * _num_sms(dev)
+    _moe_dot1_kernel[(min(P * triton.cdiv(I, bn1), cap),)](
+        zc, sid, order, starts, nblk, W1, S1, h, P, DIN, I, TOPK, zc.stride(0), W1.stride(0), W1.stride(1),
+        S1.stride(0) if fp4_1 else 0, S1.stride(1) if fp4_1 else 0, situ_beta, lin_beta, BN=bn1, BK=bk1, FP4=fp4_1,
+        SITU=situ, HAS_LIN=has_lin, PREC=prec, **_launch_opts(warps[0], num_stages),
+    )
+    _moe_dot2_kernel[(min(P * triton.cdiv(DOUT, bn2), cap),)](
+        h, sid, order, starts, nblk, W2, S2, tw, out, P, I, DOUT, TOPK, W2.stride(0), W2.stride(1),
+        S2.stride(0) if fp4_2 else 0, S2.stride(1) if fp4_2 else 0, BN=bn2, BK=bk2, FP4=fp4_2, PREC=prec,
+        **_launch_opts(warps[1], num_stages),
+    )
+    return out.to(zc.dtype)
+
+
+VARIANTS = ("blocks", "gemv", "dot", "auto")
+DEFAULT_VARIANT = "blocks"
+"""What `moe_experts_triton` runs when no variant is given (the lead flips this after measuring)."""
+AUTO_GEMV_MAX_PAIRS = 128
+"""variant="auto": "gemv" when T * topk <= this, else "dot"."""
+
+# Default tiles (rows, K) per variant, gate/up then down, for MXFP4 and dense weights, and warps per kernel.
+# From the sm_90 compiles (aot_check): "gemv" (16, 512) / (128, 128) at 4 warps: ~5.7 / ~5.2 issued
+# instructions per weight element, 71 registers; "dot" (64, 256) at 8 warps / (128, 128) at 4 warps:
+# ~7.1 / ~7.0 per element, 128 / 96 registers.
+_TILES = {"gemv": ((16, 512, 128, 128), (16, 64, 32, 64), (4, 4)),
+          "dot": ((64, 256, 128, 128), (64, 64, 64, 64), (8, 4))}
+
+
+def _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps):
+    """Tile sizes and warps: the knobs where given, else the defaults, K tiles clamped to the problem."""
+    f4, dense, warps = _TILES[variant]
+    kmin = 32 if variant == "gemv" else 128  # an MXFP4 "dot" K tile gives tl.dot K = BK/8 >= 16
+    bk1 = bk1 or (min(f4[1], max(kmin, next_pow2(DIN))) if fp4_1 else min(dense[1], max(16, next_pow2(DIN))))
+    bk2 = bk2 or (min(f4[3], max(kmin, next_pow2(I))) if fp4_2 else min(dense[3], max(16, next_pow2(I))))
+    bn1 = bn1 or (f4 if fp4_1 else dense)[0]
+    bn2 = bn2 or (f4 if fp4_2 else dense)[2]
+    if num_warps is not None:
+        warps = tuple(num_warps) if isinstance(num_warps, (tuple, list)) else (num_warps, num_warps)
+    return (bn1, bk1, bn2, bk2), warps
+
+
 def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_packed=None, w13_scale=None,
-                       w2_packed=None, w2_scale=None, activation="situ", situ_beta=4.0, situ_linear_beta=None):
-    """Triton implementation of `reference.moe_experts` (same arguments and result)."""
+                       w2_packed=None, w2_scale=None, activation="situ", situ_beta=4.0, situ_linear_beta=None,
+                       variant=None, bn1=None, bk1=None, bn2=None, bk2=None, num_warps=None, num_stages=None,
+                       combine="atomic", programs=None):
+    """Triton implementation of `reference.moe_experts` (same arguments and result).
+
+    Tuning knobs (None = the defaults): `variant` (default DEFAULT_VARIANT) "blocks" (sorted blocks of <= 16
+    pairs of one expert, tl.dot), "gemv" (decode path: one routed pair per program, no sorting, fp32 FMAs on
+    a lean MXFP4 decode), "dot" (sorted blocks like "blocks", lean MXFP4 decode into tl.dot, persistent
+    programs over the device-side block count) or "auto" (by T * topk, see AUTO_GEMV_MAX_PAIRS);
+    bn1/bk1 (gate/up tile: rows of I, K over DIN), bn2/bk2 (down tile: rows of DOUT, K over I); num_warps (an
+    int, or a pair for the two kernels); num_stages; `combine` ("gemv"): "atomic" (fp32 atomic adds, one
+    program per pair) or "loop" (one program per token sums its pairs: no atomics, no zero fill, no cast);
+    `programs` ("dot"): persistent programs per kernel (default 4 per SM).
+    """
     if activation not in ("situ", "silu"):
         raise ValueError(f"unknown activation {activation!r}")
+    variant = variant or DEFAULT_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} (one of {VARIANTS})")
+    if combine not in ("atomic", "loop"):
+        raise ValueError(f"unknown combine {combine!r}")
     W1, S1, fp4_1 = _weights(w13, w13_packed, w13_scale, "w13")
     W2, S2, fp4_2 = _weights(w2, w2_packed, w2_scale, "w2")
     T, DIN = z.shape
@@ -277,27 +639,40 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     TOPK = topk_ids.shape[1]
     P = T * TOPK
     dev = z.device
-    out = torch.zeros(T, DOUT, dtype=torch.float32, device=dev)
     if P == 0:
-        return out.to(z.dtype)
+        return torch.zeros(T, DOUT, dtype=z.dtype, device=dev)
     zc = z.contiguous()
     W1, S1, W2, S2 = (t.contiguous() for t in (W1, S1, W2, S2))
+    tw = topk_weights.reshape(-1).contiguous()
+    act_args = (float(4.0 if situ_beta is None else situ_beta), float(situ_linear_beta or 1.0),
+                activation == "situ", situ_linear_beta is not None)
+    if variant == "auto":
+        variant = "gemv" if P <= AUTO_GEMV_MAX_PAIRS else "dot"
+    if variant in ("gemv", "dot"):
+        tiles, warps = _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps)
+        if variant == "gemv":
+            return _gemv_path(zc, tw, topk_ids, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, TOPK, act_args,
+                              tiles, warps, num_stages, combine)
+        return _dot_path(zc, tw, topk_ids, E, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, TOPK, act_args, tiles,
+                         warps, num_stages, programs)
+    out = torch.zeros(T, DOUT, dtype=torch.float32, device=dev)
     sid, order, starts = route_blocks(topk_ids, E)
     hdt = zc.dtype
     h = torch.empty(P, I, dtype=hdt, device=dev)
     prec = dot_precision(zc.dtype)
-    BN1 = min(32, max(16, next_pow2(I)))
+    nw = num_warps or 8
+    nw1, nw2 = tuple(nw) if isinstance(nw, (tuple, list)) else (nw, nw)
+    BN1 = bn1 or min(32, max(16, next_pow2(I)))
     _moe_gemm1_kernel[(P, triton.cdiv(I, BN1))](
         zc, sid, order, starts, W1, S1, h, P, DIN, I, TOPK, zc.stride(0), W1.stride(0), W1.stride(1),
-        S1.stride(0) if fp4_1 else 0, S1.stride(1) if fp4_1 else 0, float(4.0 if situ_beta is None else situ_beta),
-        float(situ_linear_beta or 1.0), BN=BN1, BK=128 if DIN >= 128 else max(32, next_pow2(DIN)), FP4=fp4_1,
-        SITU=activation == "situ", HAS_LIN=situ_linear_beta is not None, PREC=prec, num_warps=8,
+        S1.stride(0) if fp4_1 else 0, S1.stride(1) if fp4_1 else 0, act_args[0], act_args[1], BN=BN1,
+        BK=bk1 or (128 if DIN >= 128 else max(32, next_pow2(DIN))), FP4=fp4_1, SITU=act_args[2],
+        HAS_LIN=act_args[3], PREC=prec, **_launch_opts(nw1, num_stages),
     )
-    BN2 = min(32, max(16, next_pow2(DOUT)))
-    tw = topk_weights.reshape(-1).contiguous()
+    BN2 = bn2 or min(32, max(16, next_pow2(DOUT)))
     _moe_gemm2_kernel[(P, triton.cdiv(DOUT, BN2))](
         h, sid, order, starts, W2, S2, tw, out, P, I, DOUT, TOPK, W2.stride(0), W2.stride(1),
         S2.stride(0) if fp4_2 else 0, S2.stride(1) if fp4_2 else 0, BN=BN2,
-        BK=128 if I >= 128 else max(32, next_pow2(I)), FP4=fp4_2, PREC=prec, num_warps=8,
+        BK=bk2 or (128 if I >= 128 else max(32, next_pow2(I))), FP4=fp4_2, PREC=prec, **_launch_opts(nw2, num_stages),
     )
     return out.to(z.dtype)

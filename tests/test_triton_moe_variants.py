@@ -1,0 +1,171 @@
+"""MoE expert variants ("gemv" decode path, "dot" lean-decode blocks) and the lean MXFP4 decode, under the
+CPU interpreter, against the reference ops (fp32 to 1e-5, bf16 to 2e-2)."""
+
+import _triton_cpu  # (sets TRITON_INTERPRET=1 first)
+import pytest
+import torch
+import triton
+import triton.language as tl
+from _triton_cpu import rel
+
+from k3serve.kernels import reference as R
+from k3serve.kernels.reference.mxfp4 import mxfp4_dequantize, mxfp4_quantize
+from k3serve.kernels.triton import moe
+from k3serve.kernels.triton.moe import moe_experts_triton, route_blocks
+
+pytestmark = _triton_cpu.skip_on_cuda
+
+VARIANTS = {
+    "gemv": dict(variant="gemv"),
+    "gemv-loop": dict(variant="gemv", combine="loop"),
+    "dot": dict(variant="dot"),
+}
+
+
+def _case(T, E, k, DIN, I, DOUT, fp4, seed, invalid=True, wscale=1.0):
+    """Inputs; fp4 = (w13 packed?, w2 packed?). Some rows route the same expert twice over tokens."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(T, DIN, generator=g)
+    w13 = torch.randn(E, 2 * I, DIN, generator=g) * 0.2 * wscale
+    w2 = torch.randn(E, DOUT, I, generator=g) * 0.2 * wscale
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if invalid and T * k > 1:
+        ids[T // 2, k - 1] = -1
+    tw = torch.rand(T, k, generator=g)
+    kw = {}
+    if fp4[0]:
+        kw["w13_packed"], kw["w13_scale"] = mxfp4_quantize(w13)
+    else:
+        kw["w13"] = w13
+    if fp4[1]:
+        kw["w2_packed"], kw["w2_scale"] = mxfp4_quantize(w2)
+    else:
+        kw["w2"] = w2
+    return z, tw, ids, kw
+
+
+def _check(z, tw, ids, kw, dt, act, lin, knobs):
+    ref = R.moe_experts(z.double(), tw.double(), ids, activation=act, situ_linear_beta=lin,
+                        **{a: (t.double() if t.is_floating_point() else t) for a, t in kw.items()})
+    kw = {a: (t.to(dt) if t.is_floating_point() else t) for a, t in kw.items()}
+    beta = {} if act == "situ" else {"situ_beta": None}  # silu configs carry situ_beta=None
+    out = moe_experts_triton(z.to(dt), tw, ids, activation=act, situ_linear_beta=lin, **beta, **kw, **knobs)
+    assert out.dtype == dt and out.shape == ref.shape
+    err = rel(out, ref)
+    assert err < (1e-5 if dt == torch.float32 else 2e-2), err
+    return err
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("T,E,k,DIN,I,DOUT,fp4,act,lin", [
+    (1, 6, 1, 96, 96, 72, (True, True), "situ", 25.0),
+    (2, 8, 2, 160, 64, 40, (True, True), "silu", None),
+    (5, 16, 4, 96, 32, 72, (True, False), "situ", None),
+    (5, 6, 3, 72, 40, 24, (False, False), "silu", None),
+    (33, 12, 2, 64, 32, 40, (False, True), "situ", 25.0),
+])
+def test_variants_fp32(name, T, E, k, DIN, I, DOUT, fp4, act, lin):
+    z, tw, ids, kw = _case(T, E, k, DIN, I, DOUT, fp4, seed=T * 100 + E)
+    _check(z, tw, ids, kw, torch.float32, act, lin, VARIANTS[name])
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("T,E,k,DIN,I,DOUT,fp4,act,lin", [
+    (1, 16, 4, 160, 96, 72, (True, True), "situ", 25.0),
+    (5, 8, 2, 160, 96, 72, (True, True), "silu", None),
+    (33, 10, 2, 64, 32, 48, (True, True), "situ", None),
+    (5, 6, 3, 160, 96, 72, (False, False), "situ", 25.0),
+])
+def test_variants_bf16(name, T, E, k, DIN, I, DOUT, fp4, act, lin):
+    z, tw, ids, kw = _case(T, E, k, DIN, I, DOUT, fp4, seed=T * 7 + k)
+    _check(z, tw, ids, kw, torch.bfloat16, act, lin, VARIANTS[name])
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(variant="gemv", bn1=32, bk1=64, bn2=16, bk2=32, num_warps=2),
+    dict(variant="gemv", bn1=16, bk1=512, bn2=64, bk2=256, combine="loop", num_warps=8),
+    dict(variant="dot", bn1=16, bk1=128, bn2=32, bk2=256, num_warps=4, programs=3),
+    dict(variant="dot", bn1=32, bk1=512, bn2=16, bk2=128, programs=1),
+])
+def test_variant_tiles(knobs):
+    """Other tile shapes, and few persistent programs (each loops over many work items)."""
+    z, tw, ids, kw = _case(3, 7, 3, 224, 96, 80, (True, True), seed=5)
+    _check(z, tw, ids, kw, torch.float32, "situ", 25.0, knobs)
+
+
+@pytest.mark.parametrize("name", ["gemv", "dot"])
+@pytest.mark.parametrize("wscale", [2.0**-24, 2.0**20])
+def test_variants_far_scales(name, wscale):
+    """Scale bytes far from 127 (weights ~2^-26 and ~2^18) decode exactly; see `test_lean_decode_exact` for
+    the full byte range (the kernels need |activations| < 2^63, weights' scale byte <= 192)."""
+    z, tw, ids, kw = _case(3, 6, 2, 96, 64, 48, (True, True), seed=11, wscale=wscale)
+    s13 = kw["w13_scale"].int()
+    assert s13.max() < 105 or s13.min() > 140
+    _check(z, tw, ids, kw, torch.float32, "silu", None, VARIANTS[name])
+
+
+def test_all_pairs_invalid_and_repeated_experts():
+    """All of one token's pairs invalid, and one expert shared by every token (block > 16 pairs for "dot")."""
+    z, tw, ids, kw = _case(18, 5, 2, 96, 64, 48, (True, True), seed=3, invalid=False)
+    ids[:, 0] = 2
+    ids[4] = -1
+    for name in VARIANTS:
+        _check(z, tw, ids, kw, torch.float32, "situ", 25.0, VARIANTS[name])
+    sid, order, starts, n = route_blocks(ids, 5, count=True)
+    assert int(n) == int((starts >= 0).sum())
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_no_valid_pairs(name):
+    """Every id -1: zeros (the "dot" kernels see a block count of 0 and run no work item)."""
+    z, tw, ids, kw = _case(3, 4, 2, 64, 32, 48, (True, True), seed=4)
+    out = moe_experts_triton(z, tw, torch.full_like(ids, -1), **kw, **VARIANTS[name])
+    assert out.shape == (3, 48) and torch.equal(out, torch.zeros_like(out))
+
+
+def test_auto_and_default(monkeypatch):
+    """variant="auto" takes "gemv" up to AUTO_GEMV_MAX_PAIRS pairs, then "dot"; no variant = DEFAULT_VARIANT."""
+    z, tw, ids, kw = _case(4, 6, 2, 96, 64, 48, (True, True), seed=2)
+    monkeypatch.setattr(moe, "AUTO_GEMV_MAX_PAIRS", 6)
+    seen = []
+    for name in ("_gemv_path", "_dot_path"):
+        orig = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _o=orig, _n=name, **k: (seen.append(_n), _o(*a, **k))[1])
+    _check(z, tw, ids, kw, torch.float32, "situ", 25.0, dict(variant="auto", num_warps=(2, 4)))  # 8 pairs
+    _check(z[:3], tw[:3], ids[:3], kw, torch.float32, "situ", 25.0, dict(variant="auto"))  # 6 pairs
+    assert seen == ["_dot_path", "_gemv_path"]
+    assert moe.DEFAULT_VARIANT in moe.VARIANTS
+    _check(z, tw, ids, kw, torch.float32, "silu", None, dict(num_warps=(4, 8)))
+    if moe.DEFAULT_VARIANT == "blocks":
+        assert len(seen) == 2
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, out_ptr, NW: tl.constexpr, B: tl.constexpr, POST: tl.constexpr):
+    """Decode NW int32 words (one scale per 4 words) with the kernels' lean decode and group factor, in the
+    kernels' order: "gemv" (B = 62) scales x by 2^64 before the group factor, "dot" (B = 94) multiplies the
+    decoded operand by the factor and the accumulator by 2^32."""
+    rj = tl.arange(0, NW)
+    wd = tl.load(w_ptr + rj)
+    f = moe._group_factor(tl.load(s_ptr + rj // 4).to(tl.int32), B)
+    for i in tl.static_range(8):
+        if B == 62:
+            v = (moe._dn(wd, i) * POST) * f
+        else:
+            v = (moe._dn(wd, i) * f) * POST
+        tl.store(out_ptr + rj * 8 + i, v)
+
+
+@pytest.mark.parametrize("B,POST,sbytes", [(62, 2.0**64, [1, 64, 100, 127, 128, 150, 192]),  # "gemv"
+                                           (94, 2.0**32, [40, 100, 127, 128, 160])])  # "dot"
+def test_lean_decode_exact(B, POST, sbytes):
+    """Every byte value (both nibble orders) decodes bit-exactly to mxfp4_dequantize's value, over the scale
+    bytes each path supports."""
+    b = torch.arange(256, dtype=torch.uint8)
+    packed = torch.cat([b, b.flip(0)]).view(1, 512)  # 1024 elements, 32 groups
+    for sbyte in sbytes:
+        scales = torch.full((1, 32), sbyte, dtype=torch.uint8)
+        ref = mxfp4_dequantize(packed, scales, torch.float32)
+        out = torch.empty(1024, dtype=torch.float32)
+        _decode_kernel[(1,)](packed.view(torch.int32).reshape(-1), scales.reshape(-1), out, NW=128, B=B, POST=POST)
+        assert torch.equal(out, ref.reshape(-1)), sbyte
