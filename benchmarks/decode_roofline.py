@@ -1,6 +1,7 @@
 """Engine decode throughput for the `small` preset next to the memory roofline of the same step.
 
     PYTHONSAFEPATH=1 python benchmarks/decode_roofline.py [--batches 1 8 64] [--prompt 256] [--steps 32]
+        [--modes graphs eager] [--profile]
 
 Makes the `small` checkpoint on the GPU (make_model), measures the device copy bandwidth, then per batch
 size B runs `LLM(..., device="cuda")`: the time of a generate with max_tokens = 1 + steps minus the time of
@@ -69,7 +70,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (compare against them)")
+    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager"], default=["graphs", "eager"],
+                    help="decode with captured CUDA graphs and/or eagerly (one generated model for both)")
+    ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode steps")
     args = ap.parse_args()
     from k3serve.workers.llm import LLM
@@ -78,41 +81,46 @@ def main() -> int:
 
     bw = copy_bandwidth()
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s")
+    modes = ["eager"] if args.enforce_eager else args.modes
     with tempfile.TemporaryDirectory() as d:
         cfg = make_model(d, "small", device="cuda")
-        llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
-                  max_model_len=args.prompt + args.steps + 8, enforce_eager=args.enforce_eager)
-        weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
         rows = []
-        for B in args.batches:
-            prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]
-            sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-            spn = SamplingParams(max_tokens=1 + args.steps, temperature=0.0, ignore_eos=True)
-            llm.generate(prompts, spn)  # warm-up: kernel compiles and the graph capture for this size
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            llm.generate(prompts, sp1)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            llm.generate(prompts, spn)
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            dec = (t2 - t1) - (t1 - t0)
-            tok_s = B * args.steps / dec
-            roof = B / (step_bytes(cfg, weights, B, args.prompt + args.steps // 2) / bw)
-            rows.append((B, tok_s, roof))
-            print(f"# B={B}: {1e3 * dec / args.steps:.2f} ms per decode step "
-                  f"(graph replays {llm.engine.runner.num_static_decode_steps})", flush=True)
-            if args.profile:
-                k_pre = kernel_breakdown(f"B={B} prefill only", lambda p=prompts, s=sp1: llm.generate(p, s), 1, top=5)
-                k_all = kernel_breakdown(f"B={B} prefill + {args.steps} decode steps",
-                                         lambda p=prompts, s=spn: llm.generate(p, s), 1, top=25)
-                k_step = (k_all - k_pre) / args.steps
-                print(f"# B={B}: kernels {k_step:.0f} µs per decode step of {1e6 * dec / args.steps:.0f} µs wall",
-                      flush=True)
-        print("| batch | decode tok/s | roofline tok/s | fraction |")
-        for B, tok_s, roof in rows:
-            print(f"| {B} | {tok_s:.0f} | {roof:.0f} | {100 * tok_s / roof:.0f}% |")
+        for mode in modes:
+            llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
+                      max_model_len=args.prompt + args.steps + 8, enforce_eager=mode == "eager")
+            weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
+            for B in args.batches:
+                prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]
+                sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+                spn = SamplingParams(max_tokens=1 + args.steps, temperature=0.0, ignore_eos=True)
+                llm.generate(prompts, spn)  # warm-up: kernel compiles and the graph capture for this size
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                llm.generate(prompts, sp1)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                llm.generate(prompts, spn)
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                dec = (t2 - t1) - (t1 - t0)
+                tok_s = B * args.steps / dec
+                roof = B / (step_bytes(cfg, weights, B, args.prompt + args.steps // 2) / bw)
+                rows.append((mode, B, tok_s, roof))
+                print(f"# {mode} B={B}: {1e3 * dec / args.steps:.2f} ms per decode step "
+                      f"(graph replays so far {llm.engine.runner.num_static_decode_steps})", flush=True)
+                if args.profile and mode == modes[0]:
+                    k_pre = kernel_breakdown(f"B={B} prefill only", lambda p=prompts, s=sp1, e=llm: e.generate(p, s), 1,
+                                             top=5)
+                    k_all = kernel_breakdown(f"B={B} prefill + {args.steps} decode steps",
+                                             lambda p=prompts, s=spn, e=llm: e.generate(p, s), 1, top=25)
+                    k_step = (k_all - k_pre) / args.steps
+                    print(f"# B={B}: kernels {k_step:.0f} µs per decode step of {1e6 * dec / args.steps:.0f} µs "
+                          "wall", flush=True)
+            del llm, weights
+            torch.cuda.empty_cache()
+        print("| mode | batch | decode tok/s | roofline tok/s | fraction |")
+        for mode, B, tok_s, roof in rows:
+            print(f"| {mode} | {B} | {tok_s:.0f} | {roof:.0f} | {100 * tok_s / roof:.0f}% |")
     return 0
 
 

@@ -14,8 +14,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 for step in "$@"; do
   t=$(date +%s)
   case $step in
-    tests) python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 300 -rs -s 2>&1 | tee "$OUT/tests.log" | grep -v "^$" | tail -40 ;;
-    roofline) { python3 benchmarks/decode_roofline.py; python3 benchmarks/decode_roofline.py --enforce-eager; } 2>&1 | tee "$OUT/roofline.log" ;;
+    tests) python3 -m pytest ${TESTS:-tests/gpu} -q -p no:cacheprovider --timeout 300 -rs -s --durations=12 2>&1 | tee "$OUT/tests.log" | grep -v "^$" | tail -40 ;;
+    roofline) python3 benchmarks/decode_roofline.py --profile 2>&1 | tee "$OUT/roofline.log" ;;
     profile) python3 benchmarks/kernel_profile.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     bench) python3 benchmarks/kernels.py --tsv "$OUT/bench.tsv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     *) echo "unknown step $step"; exit 2 ;;

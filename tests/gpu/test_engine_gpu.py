@@ -72,8 +72,7 @@ def tiny_ref(tiny_model_dir):
     return load_reference_model(str(tiny_model_dir), dtype=torch.float64, device="cuda")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("dtype,graphs", [("float32", True), ("float32", False), ("bfloat16", True)])
 def test_tiny_engine_on_cuda(tiny_model_dir, tiny_ref, dtype, graphs):
     prompts = prompts_for(1 + graphs, 12, tiny_ref.cfg.vocab_size)
     outs, llm = run_engine(tiny_model_dir, prompts, 24, dtype=dtype, max_num_seqs=8,
