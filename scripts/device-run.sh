@@ -3,7 +3,7 @@
 #   tests      tests/gpu (kernels vs references, the engine end to end on CUDA, the small preset)
 #   roofline   benchmarks/decode_roofline.py with CUDA graphs, then --enforce-eager
 #   profile    benchmarks/kernel_profile.py (per-kernel breakdown)
-#   sweeps     every benchmarks/sweep_*.py (kernel variants and knobs; SWEEP_BUDGET seconds each, default 45)
+#   sweeps     every benchmarks/sweep_*.py (kernel variants and knobs; each stopped after SWEEP_TIMEOUT s, default 100)
 #   bench      benchmarks/kernels.py (full table; BENCH_ARGS adds arguments)
 # Logs go to $OUT/<step>.log.
 set -uo pipefail
@@ -19,7 +19,7 @@ for step in "$@"; do
     roofline) python3 benchmarks/decode_roofline.py --profile 2>&1 | tee "$OUT/roofline.log" ;;
     profile) python3 benchmarks/kernel_profile.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     sweeps) for f in benchmarks/sweep_*.py; do n=$(basename "$f" .py); echo "## $n";
-              timeout 100 python3 "$f" --budget-s ${SWEEP_BUDGET:-45} 2>&1 | tee "$OUT/$n.log"; done ;;
+              timeout ${SWEEP_TIMEOUT:-100} python3 "$f" 2>&1 | tee "$OUT/$n.log"; done ;;
     bench) python3 benchmarks/kernels.py --tsv "$OUT/bench.tsv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
