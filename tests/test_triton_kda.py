@@ -20,14 +20,20 @@ def inputs(lens, seed, lower_bound=-5.0, a_log_scale=0.5):
     T = sum(lens)
     q, k = torch.randn(T, H, K, generator=g), torch.randn(T, H, K, generator=g)
     v = torch.randn(T, H, V, generator=g)
-    gg = R.kda_gate(torch.randn(T, H, K, generator=g), torch.randn(H, generator=g) * a_log_scale,
-                    torch.randn(H * K, generator=g), lower_bound)
+    gg = R.kda_gate(
+        torch.randn(T, H, K, generator=g),
+        torch.randn(H, generator=g) * a_log_scale,
+        torch.randn(H * K, generator=g),
+        lower_bound,
+    )
     beta = torch.sigmoid(torch.randn(T, H, generator=g))
     return q, k, v, gg, beta
 
 
 def test_chunk_plan_cuts_at_checkpoints():
-    plan = ChunkPlan([0, 70, 70, 75], [3, 4, -1], {0: [(5, 9), (64, 8), (70, 7), (70, 6)]}, torch.device("cpu"))
+    plan = ChunkPlan(
+        [0, 70, 70, 75], [3, 4, -1], {0: [(5, 9), (64, 8), (70, 7), (70, 6)]}, torch.device("cpu")
+    )
     assert plan.chunk_start.tolist() == [0, 5, 64, 70]
     assert plan.chunk_len.tolist() == [5, 59, 6, 5]
     assert plan.chunk_ckpt.tolist() == [9, 8, 7, -1]
@@ -35,38 +41,162 @@ def test_chunk_plan_cuts_at_checkpoints():
     assert plan.extra_copies == [(7, 6)]
 
 
-@pytest.mark.parametrize("lower_bound,a_log_scale", [(-5.0, 0.5), (None, 0.5), (None, 6.0)])
-def test_chunked_matches_reference(lower_bound, a_log_scale):
+def check_chunked(lower_bound, a_log_scale, **kw):
     # ragged, a zero-length and a padded sequence, slot reuse, checkpoints mid-chunk / at chunk ends / at
     # the end; a_log_scale 6 makes decays strong enough for the exact pairwise diagonal path
     lens = [70, 13, 0, 1, 40]
     q, k, v, gg, beta = inputs(lens, 1, lower_bound, a_log_scale)
     pool = torch.randn(12, H, V, K)
+    untouched = pool[[0, 10, 11]].clone()
     si = torch.tensor([6, 2, 4, -1, 7])
     init = torch.tensor([True, False, True, False, True])
-    ck = dict(checkpoint_seq=torch.tensor([0, 0, 4, 4, 1]), checkpoint_offsets=torch.tensor([3, 64, 17, 40, 13]),
-              checkpoint_slots=torch.tensor([1, 3, 5, 8, 9]))
+    ck = dict(
+        checkpoint_seq=torch.tensor([0, 0, 4, 4, 1]),
+        checkpoint_offsets=torch.tensor([3, 64, 17, 40, 13]),
+        checkpoint_slots=torch.tensor([1, 3, 5, 8, 9]),
+    )
     ref_pool = pool.double()
-    ref = R.kda_chunked(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu_of(lens),
-                        init, **ck)
-    out = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu_of(lens), init, **ck)
+    ref = R.kda_chunked(
+        q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu_of(lens), init, **ck
+    )
+    out = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu_of(lens), init, **ck, **kw)
     assert rel(out, ref) < 1e-5
     assert rel(pool, ref_pool) < 1e-5
-    assert torch.equal(pool[[0, 10, 11]], pool[[0, 10, 11]])  # untouched slots keep their values
+    assert torch.equal(pool[[0, 10, 11]], untouched)  # untouched slots keep their values
 
 
-def test_chunked_bf16_product_form_inverse():
+@pytest.mark.parametrize("lower_bound,a_log_scale", [(-5.0, 0.5), (None, 0.5), (None, 6.0)])
+def test_chunked_matches_reference(lower_bound, a_log_scale):
+    check_chunked(lower_bound, a_log_scale)
+
+
+PREP = {"split": dict(prep_variant="split"), "onepass": dict(prep_variant="onepass")}
+
+
+@pytest.mark.parametrize("variant", list(PREP))
+@pytest.mark.parametrize("lower_bound,a_log_scale", [(-5.0, 0.5), (None, 6.0)])
+def test_chunked_prep_variants_match_reference(variant, lower_bound, a_log_scale):
+    # (None, 6.0): every 16-token block's decay span is far past 80, so every chunk is flagged by the main
+    # launch and redone by the exact fix-up launch
+    check_chunked(lower_bound, a_log_scale, **PREP[variant])
+
+
+def bf16_case(seed=2):
     lens = [70, 20]
-    q, k, v, gg, beta = inputs(lens, 2)
+    q, k, v, gg, beta = inputs(lens, seed)
     q, k, v = (x.bfloat16() for x in (q, k, v))
     pool = torch.randn(2, H, V, K)
     si, init = torch.tensor([0, 1]), torch.tensor([True, False])
     ref_pool = pool.double()
-    ref = R.kda_chunked(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu_of(lens), init)
-    out = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu_of(lens), init)
+    ref = R.kda_chunked(
+        q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu_of(lens), init
+    )
+    return (q, k, v, gg, beta, pool, si, cu_of(lens), init), ref, ref_pool
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, dict(prep_variant="split"), dict(prep_variant="onepass", tinv_fp32=True)],
+    ids=["fused", "split", "onepass-tinv32"],
+)
+def test_chunked_bf16_product_form_inverse(kw):
+    args, ref, ref_pool = bf16_case()
+    out = kda_chunked_triton(*args, **kw)
     assert out.dtype == torch.bfloat16
     assert rel(out, ref) < 2.5e-2
-    assert rel(pool, ref_pool) < 2.5e-2
+    assert rel(args[5], ref_pool) < 2.5e-2
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(prep_variant="split"),
+        dict(prep_variant="split", exact_inline=True),
+        dict(prep_variant="onepass", exact_inline=True),
+    ],
+    ids=["split", "inline", "onepass"],
+)
+def test_chunked_prep_mixed_decay_spans(kw):
+    # only the second 16-token block of the first chunk decays past the factored form's limit (span 112):
+    # that block is redone exactly, the others (and the other chunk) stay factored
+    lens = [64, 30]
+    q, k, v, _, beta = inputs(lens, 6)
+    g = -0.3 * torch.rand(sum(lens), H, K, generator=torch.Generator().manual_seed(7))
+    g[16:32] = -7.0
+    pool = torch.randn(2, H, V, K)
+    si, init = torch.tensor([1, 0]), torch.tensor([True, True])
+    ref_pool = pool.double()
+    ref = R.kda_chunked(
+        q.double(), k.double(), v.double(), g.double(), beta.double(), ref_pool, si, cu_of(lens), init
+    )
+    fused_pool = pool.clone()
+    fused = kda_chunked_triton(q, k, v, g, beta, fused_pool, si, cu_of(lens), init)
+    out = kda_chunked_triton(q, k, v, g, beta, pool, si, cu_of(lens), init, **kw)
+    assert rel(out, ref) < 1e-5 and rel(pool, ref_pool) < 1e-5
+    assert rel(out, fused) < 1e-5 and rel(pool, fused_pool) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(prep_variant="split"),
+        dict(prep_variant="onepass", wu_block_n=16),
+        dict(
+            prep_variant="split",
+            exact_inline=True,
+            intra_block_k=32,
+            wu_block_n=64,
+            prep_num_warps=4,
+            prep_maxnreg=None,
+            wu_num_warps=8,
+        ),
+    ],
+    ids=["split", "onepass-bn16", "split-knobs"],
+)
+def test_chunked_prep_knobs_wider_heads(kw):
+    # K = 32 (two K slices of 16 in the main pass), V = 64 != K (W and U column tiles differ in number),
+    # no l2 norm, an explicit scale
+    Hh, Kk, Vv = 1, 32, 64
+    lens = [70, 5]
+    g = torch.Generator().manual_seed(5)
+    T = sum(lens)
+    q, k, v = (
+        torch.randn(T, Hh, Kk, generator=g),
+        torch.randn(T, Hh, Kk, generator=g),
+        torch.randn(T, Hh, Vv, generator=g),
+    )
+    gg = R.kda_gate(
+        torch.randn(T, Hh, Kk, generator=g),
+        torch.randn(Hh, generator=g) * 0.5,
+        torch.randn(Hh * Kk, generator=g),
+        -5.0,
+    )
+    beta = torch.sigmoid(torch.randn(T, Hh, generator=g))
+    pool = torch.randn(3, Hh, Vv, Kk)
+    si, init = torch.tensor([2, 0]), torch.tensor([True, False])
+    opts = dict(use_qk_l2norm=False, scale=0.3)
+    ref_pool = pool.double()
+    ref = R.kda_chunked(
+        q.double(),
+        k.double(),
+        v.double(),
+        gg.double(),
+        beta.double(),
+        ref_pool,
+        si,
+        cu_of(lens),
+        init,
+        **opts,
+    )
+    out = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu_of(lens), init, **opts, **kw)
+    assert rel(out, ref) < 1e-5
+    assert rel(pool, ref_pool) < 1e-5
+
+
+def test_chunked_rejects_unknown_prep_variant():
+    args, _, _ = bf16_case()
+    with pytest.raises(ValueError, match="prep_variant"):
+        kda_chunked_triton(*args, prep_variant="nope")
 
 
 def test_recurrent_path_with_checkpoints():
@@ -76,11 +206,15 @@ def test_recurrent_path_with_checkpoints():
     pool[[2, 5]] = torch.randn(2, H, V, K)
     si = torch.tensor([2, 0, 7, 5])
     init = torch.tensor([True, False, False, True])
-    ck = dict(checkpoint_seq=torch.tensor([0, 3]), checkpoint_offsets=torch.tensor([2, 9]),
-              checkpoint_slots=torch.tensor([1, 3]))
+    ck = dict(
+        checkpoint_seq=torch.tensor([0, 3]),
+        checkpoint_offsets=torch.tensor([2, 9]),
+        checkpoint_slots=torch.tensor([1, 3]),
+    )
     ref_pool = pool.double()
-    ref = R.kda_recurrent(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu_of(lens),
-                          init, **ck)
+    ref = R.kda_recurrent(
+        q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu_of(lens), init, **ck
+    )
     out = kda_recurrent_triton(q, k, v, gg, beta, pool, si, cu_of(lens), init, **ck)
     assert rel(out, ref) < 1e-5
     touched = [0, 1, 2, 3, 5, 7]
@@ -99,13 +233,28 @@ def test_fused_decode_matches_reference(lower_bound):
     pool = torch.randn(9, H, V, K, generator=g)
     cs[[1, 2, 4, 6]] = float("nan")
     pool[[1, 2, 4, 6]] = float("nan")
-    args = (torch.randn(N, H, K, generator=g), torch.randn(H, generator=g) * 0.5, torch.randn(H * K, generator=g),
-            torch.randn(N, H, generator=g), torch.randn(N, H, V, generator=g), torch.rand(V, generator=g) + 0.5)
+    args = (
+        torch.randn(N, H, K, generator=g),
+        torch.randn(H, generator=g) * 0.5,
+        torch.randn(H * K, generator=g),
+        torch.randn(N, H, generator=g),
+        torch.randn(N, H, V, generator=g),
+        torch.rand(V, generator=g) + 0.5,
+    )
     si = torch.tensor([3, -1, 0, 8, 5])
     init = torch.tensor([True, True, False, True, False])
     rc, rp = cs.double(), pool.double()
-    ref = R.kda_decode(qkv.double(), cw.double(), rc, *(a.double() for a in args[:5]), args[5].double(), rp, si, init,
-                       lower_bound=lower_bound)
+    ref = R.kda_decode(
+        qkv.double(),
+        cw.double(),
+        rc,
+        *(a.double() for a in args[:5]),
+        args[5].double(),
+        rp,
+        si,
+        init,
+        lower_bound=lower_bound,
+    )
     out = kda_decode_triton(qkv, cw, cs, *args, pool, si, init, lower_bound=lower_bound)
     used = [0, 3, 5, 7, 8]
     assert rel(out, ref) < 1e-5
