@@ -8,7 +8,7 @@
 # Logs go to $OUT/<step>.log.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/k3 . >/dev/null
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/k3 . >/dev/null
 export PYTHONPATH=/tmp/k3:/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 K3SERVE_HOME=/tmp/k3home
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
