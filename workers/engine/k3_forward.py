@@ -46,13 +46,22 @@ class K3ForwardModel:
             from k3serve.workers.model.reference import dequantize_experts
 
             self.w = w = dequantize_experts(w, self.dtype)
+        self.w = w = dict(w)  # the merged projections below replace their parts in this (private) dict
         self.conv_w: dict[int, torch.Tensor] = {}
+        self.kda_in_split: dict[int, list[int]] = {}
         self.w_uk: dict[int, torch.Tensor] = {}
         self.w_uv: dict[int, torch.Tensor] = {}
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}.self_attn."
             if cfg.is_kda_layer(i):
                 self.conv_w[i] = torch.cat([w[p + f"{n}_conv1d.weight"] for n in "qkv"], 0).to(self.acc)
+                # every projection of x in a KDA layer as ONE matrix (one GEMM per step instead of six):
+                # q, k, v, the gate's low-rank input, beta, the output gate (or its low-rank input)
+                names = ["q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj",
+                         "g_proj" if p + "g_proj.weight" in w else "g_a_proj"]
+                parts = [w.pop(p + n + ".weight") for n in names]
+                w[p + "in_proj_merged.weight"] = torch.cat(parts, 0)
+                self.kda_in_split[i] = [t.shape[0] for t in parts]
             else:
                 h, dn, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
                 kvb = w[p + "kv_b_proj.weight"].view(h, dn + dv, r)
@@ -68,17 +77,15 @@ class K3ForwardModel:
         T = x.shape[0]
         h, d = cfg.kda_num_heads, cfg.kda_head_dim
         P = h * d
-        qkv = torch.cat([linear(x, w["q_proj.weight"]), linear(x, w["k_proj.weight"]),
-                         linear(x, w["v_proj.weight"])], dim=-1)
-        raw_g = linear(linear(x, w["f_a_proj.weight"]), w["f_b_proj.weight"]).view(T, h, d)
-        if "g_proj.weight" in w:
-            gate = linear(x, w["g_proj.weight"])
-        else:
-            gate = linear(linear(x, w["g_a_proj.weight"]), w["g_b_proj.weight"])
+        nq, nk, nv, nf, nb, ng = self.kda_in_split[i]
+        qkv, f_a, b_logit, g_in = linear(x, w["in_proj_merged.weight"]).split([nq + nk + nv, nf, nb, ng], dim=-1)
+        qkv = qkv.contiguous()
+        raw_g = linear(f_a, w["f_b_proj.weight"]).view(T, h, d)
+        gate = linear(g_in, w["g_b_proj.weight"]) if "g_b_proj.weight" in w else g_in.contiguous()
         if b.is_decode:
             # one token per sequence: conv update, gates, delta rule and gated norm in one fused op
             y = ops.kda_decode(qkv, self.conv_w[i], self.kv.conv_view(j), raw_g, w["A_log"], w["dt_bias"],
-                               linear(x, w["b_proj.weight"]), gate, w["o_norm.weight"], self.kv.ssm_view(j),
+                               b_logit.contiguous(), gate, w["o_norm.weight"], self.kv.ssm_view(j),
                                b.state_indices[gi], b.has_initial_state, lower_bound=cfg.gate_lower_bound,
                                scale=d ** -0.5, eps=cfg.rms_norm_eps)
             return linear(y.reshape(T, P).to(x.dtype), w["o_proj.weight"])
@@ -87,7 +94,7 @@ class K3ForwardModel:
                                        b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
         q, k, v = (t.reshape(T, h, d) for t in qkv.split(P, dim=-1))
         g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
-        beta = torch.sigmoid(linear(x, w["b_proj.weight"]).to(self.acc))
+        beta = torch.sigmoid(b_logit.to(self.acc))
         o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
                             b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
         o = ops.rms_norm(o.to(self.acc), w["o_norm.weight"].to(self.acc), cfg.rms_norm_eps)
