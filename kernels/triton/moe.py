@@ -192,6 +192,18 @@ def _gemm_rows(x_ptr, x_stride, rows, rm, w_ptr, s_ptr, e, rn, mn, rn2, KIN, w_e
 
 
 @triton.jit
+def _gated_act(g, u, situ_beta, lin_beta, SITU: tl.constexpr, HAS_LIN: tl.constexpr):
+    """The experts' activation on the gate/up halves: (SiTU(g), optionally SiTU-linear(u)) or (SiLU(g), u)."""
+    if SITU:
+        g = situ_beta * (2.0 * tl.sigmoid(2.0 * g / situ_beta) - 1.0) * tl.sigmoid(g)
+        if HAS_LIN:
+            u = lin_beta * (2.0 * tl.sigmoid(2.0 * u / lin_beta) - 1.0)
+    else:
+        g = g * tl.sigmoid(g)
+    return g, u
+
+
+@triton.jit
 def _moe_gemm1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, w_ptr, s_ptr, h_ptr, P, DIN, I, TOPK, z_stride,
                       w_e, w_n, s_e, s_n, situ_beta, lin_beta, BN: tl.constexpr, BK: tl.constexpr,
                       FP4: tl.constexpr, SITU: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr):
@@ -203,12 +215,7 @@ def _moe_gemm1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, w_ptr, s_ptr, h_ptr,
         mn = rn < I
         g, u = _gemm_rows(z_ptr, z_stride, tok, rm, w_ptr, s_ptr, e, rn, mn, rn + I, DIN, w_e, w_n, s_e, s_n, BN, BK,
                           FP4, PREC, True)
-        if SITU:
-            g = situ_beta * (2.0 * tl.sigmoid(2.0 * g / situ_beta) - 1.0) * tl.sigmoid(g)
-            if HAS_LIN:
-                u = lin_beta * (2.0 * tl.sigmoid(2.0 * u / lin_beta) - 1.0)
-        else:
-            g = g * tl.sigmoid(g)
+        g, u = _gated_act(g, u, situ_beta, lin_beta, SITU, HAS_LIN)
         tl.store(h_ptr + r.to(tl.int64)[:, None] * I + rn[None, :], (g * u).to(h_ptr.dtype.element_ty),
                  mask=rm[:, None] & mn[None, :])
 
@@ -334,12 +341,7 @@ def _moe_gemv1_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, DIN, I, TOPK, z_strid
         mn = rn < I
         g, u = _gemv_rows(z_ptr + tok * z_stride, w_ptr, s_ptr, e, rn, mn, DIN, w_e, w_n, s_e, s_n, BN, BK, FP4,
                           X_SCALE if FP4 else 1.0, True, I)
-        if SITU:
-            g = situ_beta * (2.0 * tl.sigmoid(2.0 * g / situ_beta) - 1.0) * tl.sigmoid(g)
-            if HAS_LIN:
-                u = lin_beta * (2.0 * tl.sigmoid(2.0 * u / lin_beta) - 1.0)
-        else:
-            g = g * tl.sigmoid(g)
+        g, u = _gated_act(g, u, situ_beta, lin_beta, SITU, HAS_LIN)
         tl.store(h_ptr + pr.to(tl.int64) * I + rn, (g * u * h_mult).to(h_ptr.dtype.element_ty), mask=mn)
 
 
@@ -443,12 +445,7 @@ def _moe_dot1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_pt
         mn = rn < I
         g, u = _dot_rows(z_ptr, z_stride, tok, rm, w_ptr, s_ptr, e, rn, mn, DIN, w_e, w_n, s_e, s_n, BN, BK, FP4,
                          PREC, True, I)
-        if SITU:
-            g = situ_beta * (2.0 * tl.sigmoid(2.0 * g / situ_beta) - 1.0) * tl.sigmoid(g)
-            if HAS_LIN:
-                u = lin_beta * (2.0 * tl.sigmoid(2.0 * u / lin_beta) - 1.0)
-        else:
-            g = g * tl.sigmoid(g)
+        g, u = _gated_act(g, u, situ_beta, lin_beta, SITU, HAS_LIN)
         tl.store(h_ptr + r.to(tl.int64)[:, None] * I + rn[None, :], (g * u).to(h_ptr.dtype.element_ty),
                  mask=rm[:, None] & mn[None, :])
 
