@@ -280,31 +280,6 @@ def mla_rows(out, cases, ctx=32768, bs=64):
              target="≥80% bw", met=(nbytes / (t_o * 1e-6)) / CEIL["bw"] >= 0.8, out=out)
 
 
-def mla_sweep_rows(out, cases, ctx=32768, bs=64):
-    """Tuning rows (not the registered default): block_n x num_stages of the split kernel."""
-    from k3serve.kernels.triton.mla_decode import mla_paged_attention_triton
-
-    L, R = 512, 64
-    for Hh, B in cases:
-        nblk = B * ctx // bs
-        cache = torch.randn(nblk, bs, L + R, device=DEV, dtype=BF)
-        bt = torch.randperm(nblk, device=DEV).view(B, ctx // bs).to(torch.int32)
-        ql = torch.randn(B, Hh, L, device=DEV, dtype=BF) * 0.1
-        qp = torch.randn(B, Hh, R, device=DEV, dtype=BF) * 0.1
-        sl = torch.full((B,), ctx, device=DEV, dtype=torch.int32)
-        cu = torch.arange(B + 1, device=DEV, dtype=torch.int32)
-        nbytes = B * ctx * (L + R) * 2
-        for bn, st in ((32, 2), (32, 3), (64, 2), (64, 3)):
-            try:
-                t = bench(lambda: mla_paged_attention_triton(ql, qp, cache, bt, sl, cu, 192**-0.5, kv_lora_rank=L,
-                                                             block_n=bn, num_stages=st))
-            except Exception as e:  # noqa: BLE001
-                print(f"# mla sweep bn={bn} stages={st} failed: {e!r}", flush=True)
-                continue
-            emit("  mla tuning", f"B={B} heads={Hh} block_n={bn} stages={st}", t, None, "-", nbytes / (t * 1e-6),
-                 out=out)
-
-
 # ------------------------------------------------------------------ MoE
 def moe_baseline(z, tw, ids, p13, s13, p2, s2, beta=4.0, lin=25.0):
     """Plain PyTorch: per active expert, dequantize to bf16, one matmul each (SiTU), weighted sum."""
@@ -345,7 +320,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few small shapes only")
     ap.add_argument("--tsv", default=None)
     ap.add_argument("--only", nargs="+", default=None, metavar="SECTION",
-                    help="run only these sections (kda-decode kda-decode-graph mla mla-tuning attn_res moe "
+                    help="run only these sections (kda-decode kda-decode-graph mla attn_res moe "
                          "kda-prefill)")
     ap.add_argument("--prefill-heads", type=int, nargs="+", default=None)
     ap.add_argument("--prefill-T", type=int, nargs="+", default=None)
@@ -362,7 +337,6 @@ def main():
         ("kda decode", lambda: kda_decode_rows(fla_rec, out, [32] if q else [12, 32, 96], [1, 256] if q else [1, 32, 256])),
         ("kda decode graph", lambda: kda_decode_graph_rows(out, [32] if q else [12, 32, 96])),
         ("mla", lambda: mla_rows(out, [(32, 1)] if q else [(12, 1), (32, 1), (96, 1), (32, 32), (96, 32)])),
-        ("mla tuning", lambda: mla_sweep_rows(out, [] if q else [(32, 1), (32, 32)])),
         ("attn_res", lambda: attn_res_rows(out, [64] if q else [1, 64, 4096])),
         ("moe", lambda: moe_rows(out, [8] if q else [1, 8, 64])),
         ("kda prefill", lambda: kda_prefill_rows(
