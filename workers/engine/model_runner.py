@@ -187,19 +187,17 @@ class ModelRunner:
         n = len(sched.chunks)
         if self.static_decode and n <= self.capture_sizes[-1] and _decode_only(sched):
             size = next(c for c in self.capture_sizes if c >= n)
-            self.num_static_decode_steps += 1
-            if self.device.type == "cuda":
-                graph = self.graphs.get(size) or self._capture(size)
-                if graph is not None:
-                    self.inputs.prepare_decode(sched, size)
-                    graph.graph.replay()
-                    return graph.logits[:n]
-                if not self.static_decode:  # capture refused: this step and the next ones run eagerly
-                    self.num_static_decode_steps -= 1
-                    return self.model.forward(self.inputs.prepare(sched))
-            return self.model.forward(self.inputs.prepare_decode(sched, size))[:n]
-        batch = self.inputs.prepare(sched)
-        return self.model.forward(batch)
+            if self.device.type != "cuda":
+                self.num_static_decode_steps += 1
+                return self.model.forward(self.inputs.prepare_decode(sched, size))[:n]
+            graph = self.graphs.get(size) or self._capture(size)
+            if graph is not None:
+                self.num_static_decode_steps += 1
+                self.inputs.prepare_decode(sched, size)
+                graph.graph.replay()
+                return graph.logits[:n]
+            # capture refused (the step waits for the host): this step and the next ones run eagerly
+        return self.model.forward(self.inputs.prepare(sched))
 
     def _capture(self, size: int) -> _Graph | None:
         """Capture the decode step of `size` rows. Warm-up and capture run on an all-padding batch
