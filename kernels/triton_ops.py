@@ -21,6 +21,7 @@ from .triton import kda_recurrent as _kr
 from .triton import mla_cache as _mlc
 from .triton import mla_decode as _mla
 from .triton import moe as _moe
+from .triton import pointwise as _pw
 
 
 def _kda_chunked(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, **kw):
@@ -86,6 +87,21 @@ def _moe_experts(z, topk_weights, topk_ids, **kw):
     return _moe.moe_experts_triton(z, topk_weights, topk_ids, **kw)
 
 
+def _rms_norm(x, weight, eps):
+    if not _pw.supported(x) or (weight is not None and weight.device != x.device):
+        return reference.rms_norm(x, weight, eps)
+    return _pw.rms_norm_triton(x, weight, eps)
+
+
+def _silu_and_mul(x):
+    return _pw.silu_and_mul_triton(x) if _pw.supported(x) else reference.silu_and_mul(x)
+
+
+def _situ_and_mul(x, beta=4.0, linear_beta=None):
+    fn = _pw.situ_and_mul_triton if _pw.supported(x) else reference.situ_and_mul
+    return fn(x, beta, linear_beta)
+
+
 IMPLS: dict[str, Callable] = {
     "kda_chunked": _kda_chunked,
     "kda_recurrent": _kda_recurrent,
@@ -96,6 +112,9 @@ IMPLS: dict[str, Callable] = {
     "mla_write_cache": _mla_write_cache,
     "moe_route": _moe_route,
     "moe_experts": _moe_experts,
+    "rms_norm": _rms_norm,
+    "silu_and_mul": _silu_and_mul,
+    "situ_and_mul": _situ_and_mul,
 }
 """Op name -> the registered Triton-backed function (reference signature)."""
 

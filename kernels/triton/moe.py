@@ -592,14 +592,23 @@ _TILES = {"gemv": ((16, 512, 128, 128), (16, 64, 32, 64), (4, 4)),
           "dot": ((64, 256, 128, 128), (64, 64, 64, 64), (8, 4))}
 
 
-def _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps):
-    """Tile sizes and warps: the knobs where given, else the defaults, K tiles clamped to the problem."""
+def _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps, fill=None):
+    """Tile sizes and warps: the knobs where given, else the defaults, K tiles clamped to the problem.
+
+    `fill` = (routed pairs, DOUT, SMs): the "gemv" down tile is narrowed (down to 16 rows) until the launch has
+    at least one program per SM (the small preset at batch 1: 8 pairs x 1024 rows, 64 programs at 128 rows).
+    """
     f4, dense, warps = _TILES[variant]
     kmin = 32 if variant == "gemv" else 128  # an MXFP4 "dot" K tile gives tl.dot K = BK/8 >= 16
     bk1 = bk1 or (min(f4[1], max(kmin, next_pow2(DIN))) if fp4_1 else min(dense[1], max(16, next_pow2(DIN))))
     bk2 = bk2 or (min(f4[3], max(kmin, next_pow2(I))) if fp4_2 else min(dense[3], max(16, next_pow2(I))))
     bn1 = bn1 or (f4 if fp4_1 else dense)[0]
-    bn2 = bn2 or (f4 if fp4_2 else dense)[2]
+    if not bn2:
+        bn2 = (f4 if fp4_2 else dense)[2]
+        if variant == "gemv" and fill is not None:  # too few (pair, tile) programs to fill the SMs: narrower tiles
+            pairs, dout, sms = fill
+            while bn2 > 16 and pairs * -(-dout // bn2) < sms:
+                bn2 //= 2
     if num_warps is not None:
         warps = tuple(num_warps) if isinstance(num_warps, (tuple, list)) else (num_warps, num_warps)
     return (bn1, bk1, bn2, bk2), warps
@@ -646,7 +655,8 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     if variant == "auto":
         variant = "gemv" if P <= AUTO_GEMV_MAX_PAIRS else "dot"
     if variant in ("gemv", "dot"):
-        tiles, warps = _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps)
+        tiles, warps = _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps,
+                              fill=(P, DOUT, _num_sms(dev)))
         if variant == "gemv":
             return _gemv_path(zc, tw, topk_ids, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, TOPK, act_args,
                               tiles, warps, num_stages, combine)

@@ -48,25 +48,58 @@ class K3ForwardModel:
             self.w = w = dequantize_experts(w, self.dtype)
         self.w = w = dict(w)  # the merged projections below replace their parts in this (private) dict
         self.conv_w: dict[int, torch.Tensor] = {}
-        self.kda_in_split: dict[int, list[int]] = {}
+        self.split: dict[str, list[int]] = {}  # merged weight name -> output sizes of its parts
         self.w_uk: dict[int, torch.Tensor] = {}
         self.w_uv: dict[int, torch.Tensor] = {}
+        self.acc_w: dict[str, torch.Tensor] = {}  # weights the step uses in the accumulation dtype, cast once
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}.self_attn."
             if cfg.is_kda_layer(i):
                 self.conv_w[i] = torch.cat([w[p + f"{n}_conv1d.weight"] for n in "qkv"], 0).to(self.acc)
                 # every projection of x in a KDA layer as ONE matrix (one GEMM per step instead of six):
                 # q, k, v, the gate's low-rank input, beta, the output gate (or its low-rank input)
-                names = ["q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj",
-                         "g_proj" if p + "g_proj.weight" in w else "g_a_proj"]
-                parts = [w.pop(p + n + ".weight") for n in names]
-                w[p + "in_proj_merged.weight"] = torch.cat(parts, 0)
-                self.kda_in_split[i] = [t.shape[0] for t in parts]
+                self._merge(p, ["q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj",
+                                "g_proj" if p + "g_proj.weight" in w else "g_a_proj"])
+                nq, nk, nv, *rest = self.split[p]
+                self.split[p] = [nq + nk + nv, *rest]  # q, k, v stay one slice: the conv takes them together
+                self._cast_acc(p + "o_norm.weight")
             else:
                 h, dn, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
                 kvb = w[p + "kv_b_proj.weight"].view(h, dn + dv, r)
-                self.w_uk[i] = kvb[:, :dn, :].contiguous()
-                self.w_uv[i] = kvb[:, dn:, :].contiguous()
+                self.w_uk[i] = kvb[:, :dn, :].contiguous().to(self.dtype)
+                self.w_uv[i] = kvb[:, dn:, :].contiguous().to(self.dtype)
+                # the MLA projections of x: q (or its low-rank input), the latent kv + rope key, the output gate
+                self._merge(p, ["q_a_proj" if cfg.q_lora_rank else "q_proj", "kv_a_proj_with_mqa"]
+                            + (["g_proj"] if cfg.mla_use_output_gate else []))
+            if cfg.is_moe_layer(i):
+                m = f"model.layers.{i}.block_sparse_moe."
+                self._cast_acc(m + "gate.weight")
+                self._cast_acc(m + "gate.e_score_correction_bias")
+                names = ["routed_expert_down_proj"] if cfg.routed_expert_hidden_size else []
+                if cfg.num_shared_experts:
+                    names += ["shared_experts.gate_proj", "shared_experts.up_proj"]
+                if names:
+                    self._merge(m, names)
+                    if cfg.num_shared_experts:  # gate|up stay one slice, as the activation takes them
+                        *head, ng, nu = self.split[m]
+                        self.split[m] = [*head, ng + nu]
+            else:
+                self._merge(f"model.layers.{i}.mlp.", ["gate_proj", "up_proj"])
+                self.split[f"model.layers.{i}.mlp."] = [sum(self.split[f"model.layers.{i}.mlp."])]
+
+    def _merge(self, prefix: str, names: list[str]) -> None:
+        """Replace the projections `names` (all applied to the same input) by ONE matrix `in_proj_merged`."""
+        parts = [self.w.pop(prefix + n + ".weight") for n in names]
+        self.w[prefix + "in_proj_merged.weight"] = torch.cat(parts, 0)
+        self.split[prefix] = [t.shape[0] for t in parts]
+
+    def _cast_acc(self, name: str) -> None:
+        if name in self.w:
+            self.acc_w[name] = self.w[name].to(self.acc)
+
+    def _in_proj(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The merged input projections of a layer (see `_merge`), split back into their parts."""
+        return linear(x, w["in_proj_merged.weight"]).split(self.split[w.prefix], dim=-1)
 
     # -- layers --------------------------------------------------------------------------------
     def _kda(self, i: int, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
@@ -77,8 +110,7 @@ class K3ForwardModel:
         T = x.shape[0]
         h, d = cfg.kda_num_heads, cfg.kda_head_dim
         P = h * d
-        nq, nk, nv, nf, nb, ng = self.kda_in_split[i]
-        qkv, f_a, b_logit, g_in = linear(x, w["in_proj_merged.weight"]).split([nq + nk + nv, nf, nb, ng], dim=-1)
+        qkv, f_a, b_logit, g_in = self._in_proj(w, x)
         qkv = qkv.contiguous()
         raw_g = linear(f_a, w["f_b_proj.weight"]).view(T, h, d)
         gate = linear(g_in, w["g_b_proj.weight"]) if "g_b_proj.weight" in w else g_in.contiguous()
@@ -97,7 +129,7 @@ class K3ForwardModel:
         beta = torch.sigmoid(b_logit.to(self.acc))
         o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
                             b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
-        o = ops.rms_norm(o.to(self.acc), w["o_norm.weight"].to(self.acc), cfg.rms_norm_eps)
+        o = ops.rms_norm(o.to(self.acc), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps)
         o = (o * torch.sigmoid(gate.view(T, h, d).to(self.acc))).to(x.dtype)
         return linear(o.reshape(T, P), w["o_proj.weight"])
 
@@ -117,14 +149,13 @@ class K3ForwardModel:
         h, dn, dr, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                             cfg.v_head_dim, cfg.kv_lora_rank)
         eps = cfg.rms_norm_eps
+        q_in, kv_a, *g_in = self._in_proj(w, x)
         if cfg.q_lora_rank:
-            cq = ops.rms_norm(linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], eps)
-            q = linear(cq, w["q_b_proj.weight"])
+            q = linear(ops.rms_norm(q_in, w["q_a_layernorm.weight"], eps), w["q_b_proj.weight"])
         else:
-            q = linear(x, w["q_proj.weight"])
+            q = q_in
         q = q.view(T, h, dn + dr)
         q_nope, q_pe = q[..., :dn], q[..., dn:]
-        kv_a = linear(x, w["kv_a_proj_with_mqa.weight"])
         c_kv = ops.rms_norm(kv_a[:, :r], w["kv_a_layernorm.weight"], eps)
         k_pe = kv_a[:, r:]
         if not cfg.mla_use_nope:
@@ -132,12 +163,12 @@ class K3ForwardModel:
             k_pe = rope_interleaved(k_pe, b.positions, cfg.rope_theta)
         cache = self.kv.mla_view(j)
         ops.mla_write_cache(c_kv, k_pe, cache, b.slot_mapping[gi])
-        q_lat = torch.einsum("thn,hnl->thl", q_nope, self.w_uk[i].to(x.dtype))
+        q_lat = torch.einsum("thn,hnl->thl", q_nope, self.w_uk[i])
         o_lat = ops.mla_paged_attention(q_lat, q_pe.contiguous(), cache, b.block_tables[gi], b.seq_lens,
                                         b.cu_seqlens, (dn + dr) ** -0.5, kv_lora_rank=r)
-        o = torch.einsum("thl,hvl->thv", o_lat.to(x.dtype), self.w_uv[i].to(x.dtype))
+        o = torch.einsum("thl,hvl->thv", o_lat.to(x.dtype), self.w_uv[i])
         if cfg.mla_use_output_gate:
-            o = o * torch.sigmoid(linear(x, w["g_proj.weight"]).view(T, h, dv).to(self.acc)).to(x.dtype)
+            o = o * torch.sigmoid(g_in[0].reshape(T, h, dv).to(self.acc)).to(x.dtype)
         return linear(o.reshape(T, h * dv), w["o_proj.weight"])
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -145,20 +176,22 @@ class K3ForwardModel:
             return ops.situ_and_mul(gate_up, self.cfg.situ_beta, self.cfg.situ_linear_beta)
         return ops.silu_and_mul(gate_up)
 
-    def _dense_mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gu = torch.cat([linear(x, w["gate_proj.weight"]), linear(x, w["up_proj.weight"])], dim=-1)
-        return linear(self._act_mul(gu), w["down_proj.weight"])
+    def _dense_mlp(self, w: LayerWeights, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated MLP from its (merged) gate|up projection."""
+        return linear(self._act_mul(gate_up), w["down_proj.weight"])
 
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
-        logits = linear(x.to(self.acc), w["gate.weight"].to(self.acc))
+        logits = linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"])
         weights, ids = ops.moe_route(
-            logits, w["gate.e_score_correction_bias"].to(self.acc), cfg.num_experts_per_token,
+            logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
             num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
             renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
             scoring=cfg.router_activation)
-        z = linear(x, w["routed_expert_down_proj.weight"]) if cfg.routed_expert_hidden_size else x
+        # one GEMM for every projection of x: the latent down-projection, the shared experts' gate|up
+        parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
+        z = parts.pop(0) if cfg.routed_expert_hidden_size else x
         if self.experts_packed:
             ex = dict(w13_packed=w["experts.w13_packed"], w13_scale=w["experts.w13_scale"],
                       w2_packed=w["experts.w2_packed"], w2_scale=w["experts.w2_scale"])
@@ -171,13 +204,14 @@ class K3ForwardModel:
                 r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
             r = linear(r, w["routed_expert_up_proj.weight"])
         if cfg.num_shared_experts:
-            r = r + self._dense_mlp(w.sub("shared_experts."), x)
+            r = r + self._dense_mlp(w.sub("shared_experts."), parts[0])
         return r
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.is_moe_layer(i):
             return self._moe(i, x)
-        return self._dense_mlp(LayerWeights(self.w, f"model.layers.{i}.mlp."), x)
+        w = LayerWeights(self.w, f"model.layers.{i}.mlp.")
+        return self._dense_mlp(w, self._in_proj(w, x)[0])
 
     def _attn(self, i: int, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
         return self._kda(i, x, b) if self.cfg.is_kda_layer(i) else self._mla(i, x, b)

@@ -1,0 +1,186 @@
+"""Row-wise glue ops in Triton, one launch per call: RMSNorm and the gated activations SiLU-and-mul and
+SiTU-and-mul. Contracts: `k3serve.kernels.reference.rms_norm`, `.silu_and_mul`, `.situ_and_mul` (fp32 math for
+fp16/bf16/fp32 inputs, one rounding to x's dtype at the end; float64 stays on the reference ops).
+
+Inputs are seen as [rows, D] with unit last-dim stride and any row stride (e.g. `kv_a[:, :512]` of a [T, 576]
+tensor is read in place); layouts that do not collapse to that are made contiguous first. Outputs are new
+contiguous tensors. Grids depend on the shapes only (no host sync), so the calls can be captured in CUDA graphs.
+
+Tiling: `_rms_norm_kernel` handles a [BLOCK_M rows, BLOCK_D] tile per program (several rows per program when D
+is small or the row count is large); when D exceeds `max_block_d` it loops over the row in chunks (two passes:
+sum of squares, then scale). `_gated_act_kernel` has a 2-D grid (row blocks, output-column blocks).
+Knobs (keyword arguments of the wrappers, for GPU sweeps): `block_m`, `block_d` / `block_n`, `num_warps`,
+`max_block_d`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import TL_DTYPE, interpreting, next_pow2
+
+_TILE = 4096
+"""Default elements per program tile (rows x columns) when several rows share a program."""
+
+
+@triton.jit
+def _tanh(y):
+    """tanh in fp32, ~1e-7 relative everywhere: odd Taylor polynomial for |y| < 0.3 (avoids the cancellation
+    of 1 - exp(-2|y|) near 0), else sign(y) * (1 - e) / (1 + e) with e = exp(-2|y|) in (0, 0.55] (no overflow)."""
+    a = tl.abs(y)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(y < 0, -big, big)
+    y2 = y * y
+    # tanh y = y (1 - y^2/3 + 2y^4/15 - 17y^6/315 + 62y^8/2835 - 1382y^10/155925); |y| < 0.3: error < 1e-9 rel
+    p = -1382.0 / 155925.0
+    p = p * y2 + 62.0 / 2835.0
+    p = p * y2 - 17.0 / 315.0
+    p = p * y2 + 2.0 / 15.0
+    p = p * y2 - 1.0 / 3.0
+    small = y + y * (y2 * p)
+    return tl.where(a < 0.3, small, big)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, x_stride, eps, D: tl.constexpr, HAS_W: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mr = rows < n_rows
+    r64 = rows.to(tl.int64)
+    x_row = x_ptr + r64[:, None] * x_stride
+    y_row = y_ptr + r64[:, None] * D
+    cols = tl.arange(0, BLOCK_D)
+    if NUM_CHUNKS == 1:  # the whole row in registers: one read of x
+        mc = cols < D
+        m = mr[:, None] & mc[None, :]
+        xf = tl.load(x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        ms = tl.sum(xf * xf, axis=1) / D
+        y = xf * (1.0 / tl.sqrt_rn(ms + eps))[:, None]
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+    else:  # long rows: sum of squares over chunks, then a second pass that scales
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for c in tl.static_range(NUM_CHUNKS):
+            cc = c * BLOCK_D + cols
+            m = mr[:, None] & (cc < D)[None, :]
+            xf = tl.load(x_row + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += xf * xf
+        ms = tl.sum(acc, axis=1) / D
+        r = (1.0 / tl.sqrt_rn(ms + eps))[:, None]
+        for c in tl.static_range(NUM_CHUNKS):
+            cc = c * BLOCK_D + cols
+            mc = cc < D
+            m = mr[:, None] & mc[None, :]
+            y = tl.load(x_row + cc[None, :], mask=m, other=0.0).to(tl.float32) * r
+            if HAS_W:
+                y = y * tl.load(w_ptr + cc, mask=mc, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_row + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gated_act_kernel(x_ptr, y_ptr, n_rows, x_stride, beta, lin_beta, N: tl.constexpr, SITU: tl.constexpr,
+                      HAS_LIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (rows < n_rows)[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    src = x_ptr + r64 * x_stride + cols[None, :]
+    g = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(src + N, mask=m, other=0.0).to(tl.float32)
+    if SITU:
+        g = beta * _tanh(g / beta) * tl.sigmoid(g)
+        if HAS_LIN:
+            u = lin_beta * _tanh(u / lin_beta)
+    else:
+        g = g * tl.sigmoid(g)
+    tl.store(y_ptr + r64 * N + cols[None, :], (g * u).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def supported(x: torch.Tensor) -> bool:
+    """True for fp16/bf16/fp32 tensors on CUDA (or on the CPU under the Triton interpreter)."""
+    return x.dtype in TL_DTYPE and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
+
+
+def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(tensor, row count, row stride) viewing x as [rows, x.shape[-1]] with unit column stride, in place when
+    the leading dims collapse into one strided dim, else via `.contiguous()`."""
+    D = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    lead = [(s, st) for s, st in zip(x.shape[:-1], x.stride()[:-1]) if s != 1]
+    ok = D <= 1 or x.stride(-1) == 1
+    ok = ok and all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
+    if not ok:
+        x = x.contiguous()
+        lead = [(s, D) for s, _ in lead]
+    return x, rows, (lead[-1][1] if lead else D)
+
+
+def _warps(tile: int) -> int:
+    return max(1, min(16, tile // 256))
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, block_m: int | None = None,
+                    block_d: int | None = None, max_block_d: int = 8192,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """Triton `reference.rms_norm` (fp16/bf16/fp32 x). Knobs: `block_m` rows per program (default: fill a
+    4096-element tile, at most the row count), `block_d` columns per chunk (default: next_pow2(D) when that is
+    <= `max_block_d`, else `max_block_d` with a chunked two-pass loop), `num_warps` (default from the tile)."""
+    D = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    xr, rows, stride = _as_rows(x)
+    if rows == 0 or D == 0:
+        return y
+    if weight is not None:
+        if weight.shape[-1] != D or weight.numel() != D:
+            raise ValueError(f"weight shape {tuple(weight.shape)} does not match last dim {D}")
+        if weight.dtype not in TL_DTYPE:  # the reference casts the weight to fp32 too
+            weight = weight.to(torch.float32)
+        weight = weight.reshape(D).contiguous()
+    bd = block_d or min(next_pow2(D), max_block_d)
+    chunks = triton.cdiv(D, bd)
+    bm = block_m or min(next_pow2(rows), max(1, _TILE // bd))
+    nw = num_warps or _warps(bm * bd)
+    _rms_norm_kernel[(triton.cdiv(rows, bm),)](
+        xr, weight if weight is not None else xr, y, rows, stride, float(eps), D=D, HAS_W=weight is not None,
+        BLOCK_M=bm, BLOCK_D=bd, NUM_CHUNKS=chunks, num_warps=nw)
+    return y
+
+
+def _gated(x: torch.Tensor, situ: bool, beta: float, linear_beta: float | None, block_m: int | None,
+           block_n: int | None, num_warps: int | None) -> torch.Tensor:
+    if x.shape[-1] % 2:
+        raise ValueError(f"gated activation needs an even last dimension, got {tuple(x.shape)}")
+    n = x.shape[-1] // 2
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    xr, rows, stride = _as_rows(x)
+    if rows == 0 or n == 0:
+        return y
+    bn = block_n or min(next_pow2(n), 1024)
+    bm = block_m or min(next_pow2(rows), max(1, _TILE // bn))
+    nw = num_warps or _warps(bm * bn)
+    has_lin = linear_beta is not None
+    _gated_act_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](
+        xr, y, rows, stride, float(beta), float(linear_beta) if has_lin else 1.0, N=n, SITU=situ, HAS_LIN=has_lin,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=nw)
+    return y
+
+
+def silu_and_mul_triton(x: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
+                        num_warps: int | None = None) -> torch.Tensor:
+    """Triton `reference.silu_and_mul`: x[..., 2n] = gate | up -> silu(gate) * up, [..., n] in x's dtype.
+    Knobs: `block_m` rows and `block_n` output columns per program (default: block_n = min(next_pow2(n), 1024),
+    rows to fill a 4096-element tile), `num_warps`."""
+    return _gated(x, False, 0.0, None, block_m, block_n, num_warps)
+
+
+def situ_and_mul_triton(x: torch.Tensor, beta: float = 4.0, linear_beta: float | None = None, *,
+                        block_m: int | None = None, block_n: int | None = None,
+                        num_warps: int | None = None) -> torch.Tensor:
+    """Triton `reference.situ_and_mul` (same arguments; knobs as `silu_and_mul_triton`)."""
+    return _gated(x, True, beta, linear_beta, block_m, block_n, num_warps)

@@ -1,0 +1,193 @@
+"""Triton rms_norm / silu_and_mul / situ_and_mul under the CPU interpreter, against the reference ops: fp32, bf16,
+fp16; ragged and odd sizes; 0, 1, 3, 37 rows; weights None / bf16 / fp32; strided row views; leading dims; the
+chunked long-row path; the dispatch through `k3serve.kernels.ops` under K3SERVE_KERNELS=triton.
+
+Tolerances: fp32 rtol 1e-5. fp16/bf16: every element within 1 ulp of the reference's fp32 value before its one
+rounding, and (almost) all elements equal to that value rounded once (a second rounding, e.g. of an intermediate
+to the activation dtype, would break this). The interpreter converts fp32 -> bf16 by truncation (the GPU rounds to
+nearest even), so bf16 outputs are also accepted as the truncated fp32 reference.
+"""
+
+import _triton_cpu  # (sets TRITON_INTERPRET=1 first)
+import pytest
+import torch
+
+from k3serve.kernels import ops
+from k3serve.kernels import reference as R
+from k3serve.kernels.triton import pointwise as P
+
+pytestmark = _triton_cpu.skip_on_cuda
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _trunc_bf16(v: torch.Tensor) -> torch.Tensor:
+    return ((v.view(torch.int32) >> 16) << 16).view(torch.float32).to(torch.bfloat16)
+
+
+def check(out: torch.Tensor, ref32: torch.Tensor, dtype: torch.dtype) -> None:
+    """out (dtype) vs the reference computed in fp32 (ref32, not yet rounded)."""
+    assert out.dtype == dtype and out.shape == ref32.shape and out.is_contiguous()
+    if out.numel() == 0:
+        return
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref32, rtol=1e-5, atol=1e-6)
+        return
+    fi = torch.finfo(dtype)
+    err = (out.double() - ref32.double()).abs()
+    bound = fi.eps * ref32.double().abs() + fi.smallest_normal * fi.eps  # 1 ulp (subnormals: absolute)
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item()}"
+    rounded = [ref32.to(dtype)] + ([_trunc_bf16(ref32)] if dtype == torch.bfloat16 else [])
+    mismatch = min((out != r).float().mean().item() for r in rounded)
+    assert mismatch <= 0.01, f"{mismatch:.3%} of the outputs differ from the once-rounded reference"
+
+
+def _x(shape, dtype, g, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------- rms_norm
+def _rms_case(x, w, eps=1e-6, **kw):
+    out = P.rms_norm_triton(x, w, eps, **kw)
+    ref32 = R.rms_norm(x.float(), w, eps)  # the same math before the final rounding
+    check(out, ref32, x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [1, 48, 128, 1000, 2048])
+def test_rms_norm_shapes_weights(dtype, D):
+    g = torch.Generator().manual_seed(D)
+    weights = [None, (torch.rand(D, generator=g) + 0.5).to(torch.bfloat16), torch.randn(D, generator=g)]
+    for rows in (0, 1, 3, 37):
+        x = _x((rows, D), dtype, g, scale=3.0)
+        for w in weights:
+            _rms_case(x, w, eps=1e-6 if rows != 3 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_views_and_leading_dims(dtype):
+    g = torch.Generator().manual_seed(7)
+    base = _x((37, 576), dtype, g)
+    w = torch.rand(512, generator=g).to(dtype)
+    view = base[:, :512]  # the engine's kv_a[:, :512]
+    xr, rows, stride = P._as_rows(view)
+    assert xr.data_ptr() == view.data_ptr() and (rows, stride) == (37, 576)  # read in place, no copy
+    _rms_case(view, w)
+    _rms_case(base[5:9, 64:], None)  # offset start, odd width
+    _rms_case(_x((2, 3, 48), dtype, g), torch.randn(48, generator=g))
+    b3 = _x((2, 3, 53), dtype, g)
+    v3 = b3[:, :, 2:50]  # leading dims collapse: one strided row dim
+    assert P._as_rows(v3)[2] == 53
+    _rms_case(v3, None)
+    v4 = b3[:, :2, :48]  # leading dims do not collapse: copied first
+    _rms_case(v4, torch.randn(48, generator=g))
+    _rms_case(_x((48, 5), dtype, g).t(), None)  # column stride != 1
+    _rms_case(_x((1, 48), dtype, g).expand(4, 48), None)  # row stride 0
+    _rms_case(_x((100,), dtype, g), torch.randn(100, generator=g))  # 1-D
+    assert P.rms_norm_triton(_x((3, 0), dtype, g), None, 1e-6).shape == (3, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_chunked_long_rows_and_knobs(dtype):
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(1000, generator=g)
+    x = _x((5, 1000), dtype, g, scale=10.0)
+    _rms_case(x, w, max_block_d=128)  # 8 chunks, ragged last chunk
+    _rms_case(x, None, block_d=64, block_m=4)
+    _rms_case(x, w, block_m=1, num_warps=2)
+    _rms_case(_x((6, 7168), dtype, g), torch.randn(7168, generator=g).to(torch.bfloat16))
+
+
+def test_rms_norm_mixed_weight_dtypes():
+    g = torch.Generator().manual_seed(3)
+    x = _x((9, 130), torch.float16, g)
+    _rms_case(x, torch.randn(130, generator=g).to(torch.bfloat16))
+    xf = _x((9, 130), torch.float32, g)
+    w64 = torch.randn(130, generator=g, dtype=torch.float64)  # reference casts it to fp32 too
+    torch.testing.assert_close(P.rms_norm_triton(xf, w64, 1e-6), R.rms_norm(xf, w64, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- gated activations
+def _act_case(x, situ, beta=4.0, lin=None, **kw):
+    if situ:
+        out = P.situ_and_mul_triton(x, beta, lin, **kw)
+        ref32 = R.situ_and_mul(x.float(), beta, lin)
+    else:
+        out = P.silu_and_mul_triton(x, **kw)
+        ref32 = R.silu_and_mul(x.float())
+    check(out, ref32, x.dtype)
+
+
+ACTS = [(False, 4.0, None), (True, 4.0, None), (True, 3.0, 2.5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 24, 64, 500, 1024])
+def test_gated_activations_shapes(dtype, n):
+    g = torch.Generator().manual_seed(100 + n)
+    for rows in (0, 1, 3, 37):
+        x = _x((rows, 2 * n), dtype, g, scale=3.0)
+        for situ, beta, lin in ACTS:
+            _act_case(x, situ, beta, lin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_activations_strided_leading_dims_knobs(dtype):
+    g = torch.Generator().manual_seed(5)
+    base = _x((37, 3100), dtype, g, scale=2.0)
+    view = base[:, 10:3082]  # n = 1536, row stride 3100
+    assert P._as_rows(view)[0].data_ptr() == view.data_ptr()
+    for situ, beta, lin in ACTS:
+        _act_case(view, situ, beta, lin)
+        _act_case(_x((2, 3, 96), dtype, g), situ, beta, lin)
+        _act_case(view[:7], situ, beta, lin, block_m=2, block_n=128, num_warps=1)
+        _act_case(_x((2 * 48, 3), dtype, g).t(), situ, beta, lin)  # column stride != 1
+    with pytest.raises(ValueError):
+        P.silu_and_mul_triton(_x((2, 7), dtype, g))
+    assert P.situ_and_mul_triton(_x((4, 0), dtype, g)).shape == (4, 0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy overflow in the interpreter (inf handled)
+def test_situ_tanh_accuracy_and_extremes():
+    # fp32: tanh near 0 (polynomial branch), around the 0.3 switch, and huge |x| (no inf/NaN)
+    g = torch.Generator().manual_seed(9)
+    gate = torch.cat([torch.linspace(-3, 3, 4001), torch.tensor([0.0, 1e-30, -1e-20, 1e-6, 1.2, -1.2, 1.1999, 1.2001,
+                                                                 88.0, -88.0, 100.0, -100.0, 1e4, -1e4, 3e38, -3e38])])
+    up = torch.randn(gate.numel(), generator=g)
+    x = torch.cat([gate, up])[None]
+    for beta, lin in ((4.0, None), (1.0, 0.5), (4.0, 1e-3)):
+        out = P.situ_and_mul_triton(x, beta, lin)
+        ref = R.situ_and_mul(x, beta, lin)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-30)
+    t = torch.cat([torch.linspace(-1, 1, 2001), torch.tensor([1e-4, -1e-5, 0.3, -0.3, 0.29999, 0.30001, 40.0])])
+    # gate 50: beta * tanh(50) * sigmoid(50) == 1 in fp32, so with linear_beta 1 the output is tanh(up)
+    out = P.situ_and_mul_triton(torch.cat([torch.full_like(t, 50.0), t])[None], 1.0, 1.0)
+    torch.testing.assert_close(out[0], torch.tanh(t), rtol=2e-6, atol=0)
+
+
+# ---------------------------------------------------------------- registration / dispatch
+def test_dispatch_reaches_triton(monkeypatch):
+    from k3serve.kernels import triton_ops
+
+    monkeypatch.setenv("K3SERVE_KERNELS", "triton")
+    calls = []
+    for name in ("rms_norm_triton", "silu_and_mul_triton", "situ_and_mul_triton"):
+        orig = getattr(P, name)
+        monkeypatch.setattr(P, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    x = _x((3, 64), torch.bfloat16, g)
+    w = torch.randn(64, generator=g)
+    check(ops.rms_norm(x, w, 1e-5), R.rms_norm(x.float(), w, 1e-5), x.dtype)
+    check(ops.silu_and_mul(x), R.silu_and_mul(x.float()), x.dtype)
+    check(ops.situ_and_mul(x, 2.0, 3.0), R.situ_and_mul(x.float(), 2.0, 3.0), x.dtype)
+    assert calls == ["rms_norm_triton", "silu_and_mul_triton", "situ_and_mul_triton"]
+    assert {"rms_norm", "silu_and_mul", "situ_and_mul"} <= set(triton_ops.IMPLS)
+    # float64 stays on the reference ops
+    xd = x.double()
+    assert torch.equal(ops.rms_norm(xd, w, 1e-5), R.rms_norm(xd, w, 1e-5))
+    assert torch.equal(ops.situ_and_mul(xd), R.situ_and_mul(xd))
+    assert torch.equal(ops.silu_and_mul(xd), R.silu_and_mul(xd))
+    assert len(calls) == 3
+    assert P.supported(x) and not P.supported(xd)
