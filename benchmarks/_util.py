@@ -90,7 +90,9 @@ def timeit(
 
 def kernel_breakdown(name: str, fn: Callable[[], Any], reps: int, top: int | None = None, warmup: int = 3) -> float:
     """Profile `reps` calls of fn() with torch.profiler (CUDA activity) and print µs per call per kernel name,
-    largest first (`top` rows at most). Returns the kernels' total µs per call."""
+    largest first (`top` rows at most), after the wall time per call of `reps` unprofiled calls. Returns the
+    kernels' total µs per call."""
+    import time
     from collections import defaultdict
 
     import torch
@@ -99,6 +101,11 @@ def kernel_breakdown(name: str, fn: Callable[[], Any], reps: int, top: int | Non
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / reps * 1e6
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
@@ -110,7 +117,8 @@ def kernel_breakdown(name: str, fn: Callable[[], Any], reps: int, top: int | Non
             per[ev.name] += getattr(ev, "device_time_total", None) or ev.cuda_time_total
             cnt[ev.name] += 1
     total = sum(per.values()) / reps
-    print(f"\n## {name}: {total:.1f} µs of kernels per call", flush=True)
+    # wall > kernels: the calls are host-bound (launches, host syncs) or leave the GPU idle between kernels
+    print(f"\n## {name}: {total:.1f} µs of kernels per call, {wall:.1f} µs wall per call", flush=True)
     for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {v / reps:9.1f} µs  x{cnt[k] / reps:5.1f}  {k[:110]}", flush=True)
     return total

@@ -24,24 +24,33 @@ DEV = "cuda"
 BF = torch.bfloat16
 
 
-def kda_prefill(reps, T=8192, H=32):
+def ragged_lens(seed: int, total: int = 16384, n: int = 64) -> list[int]:
+    """The ragged batch of benchmarks/kernels.py: n sequences of 12..512 tokens scaled to ~total."""
+    g = torch.Generator().manual_seed(seed)
+    lens = (torch.rand(n, generator=g) * 500 + 12).long()
+    return (lens * (total / lens.sum())).long().clamp_min(1).tolist()
+
+
+def kda_prefill(reps, T=8192, H=32, lens=None):
     K = V = 128
+    lens = lens or [T]
+    T, B = sum(lens), len(lens)
     q, k = (torch.randn(T, H, K, device=DEV, dtype=BF) for _ in range(2))
     v = torch.randn(T, H, V, device=DEV, dtype=BF)
     g = -5.0 * torch.sigmoid(torch.randn(T, H, K, device=DEV))
     beta = torch.rand(T, H, device=DEV)
-    pool = torch.randn(1, H, V, K, device=DEV) * 0.1
-    cu = torch.tensor([0, T], device=DEV, dtype=torch.int32)
-    slots = torch.zeros(1, device=DEV, dtype=torch.int32)
-    init = torch.ones(1, dtype=torch.bool, device=DEV)
-    kernel_breakdown(f"ours kda_chunked T={T} H={H}", lambda: ops.kda_chunked(q, k, v, g, beta, pool, slots, cu, init), reps)
+    pool = torch.randn(B, H, V, K, device=DEV) * 0.1
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV, dtype=torch.int32)
+    slots = torch.arange(B, device=DEV, dtype=torch.int32)
+    init = torch.ones(B, dtype=torch.bool, device=DEV)
+    kernel_breakdown(f"ours kda_chunked T={T} H={H} seqs={B}", lambda: ops.kda_chunked(q, k, v, g, beta, pool, slots, cu, init), reps)
     try:
         from fla.ops.kda import chunk_kda
     except Exception as e:  # noqa: BLE001
         print(f"# no FLA: {e!r}")
         return
     h0 = pool.clone()
-    kernel_breakdown(f"FLA chunk_kda T={T} H={H}", lambda: chunk_kda(
+    kernel_breakdown(f"FLA chunk_kda T={T} H={H} seqs={B}", lambda: chunk_kda(
         q[None], k[None], v[None], g[None], beta[None], scale=K**-0.5, initial_state=h0, output_final_state=True,
         use_qk_l2norm_in_kernel=True, state_v_first=True, cu_seqlens=cu.long()), reps)
 
@@ -84,6 +93,8 @@ def kda_decode(reps, N=256, H=32):
 
 
 CASES = {"kda_prefill": [kda_prefill, lambda r: kda_prefill(r, H=96), lambda r: kda_prefill(r, T=32768, H=12)],
+         "kda_prefill_ragged": [lambda r: kda_prefill(r, T=16384, H=12), lambda r: kda_prefill(r, H=12, lens=ragged_lens(12)),
+                                lambda r: kda_prefill(r, H=32, lens=ragged_lens(32))],
          "mla": [mla, lambda r: mla(r, B=32)], "attn_res": [attn_res], "kda_decode": [kda_decode]}
 
 
