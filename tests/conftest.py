@@ -8,6 +8,11 @@ import pytest
 # test helper modules (tests/_*.py) import by plain name under --import-mode=importlib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# On a CPU-only machine the Triton kernels run under the interpreter, which must be switched on before ANY
+# module decorates a @triton.jit function; doing it here (before collection imports test modules, e.g. a GPU
+# test file that imports a kernel module) keeps the import order of test files from mattering.
+import _triton_cpu  # noqa: E402,F401
+
 
 # --- k3serve.workers.model: the generated tiny checkpoint, shared by the whole session ---------------
 @pytest.fixture(scope="session")
