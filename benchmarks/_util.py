@@ -122,3 +122,32 @@ def kernel_breakdown(name: str, fn: Callable[[], Any], reps: int, top: int | Non
     for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {v / reps:9.1f} µs  x{cnt[k] / reps:5.1f}  {k[:110]}", flush=True)
     return total
+
+
+def ragged_lens(seed: int, total: int = 16384, n: int = 64) -> list[int]:
+    """The GPU benchmarks' ragged prefill batch: n sequences of 12..512 tokens, scaled to about `total`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lens = (torch.rand(n, generator=g) * 500 + 12).long()
+    return (lens * (total / lens.sum())).long().clamp_min(1).tolist()
+
+
+def kda_prefill_case(lens: Sequence[int], H: int, K: int = 128, V: int = 128, device: str = "cuda",
+                     generator=None):
+    """Inputs of one `ops.kda_chunked` call as the GPU benchmarks time it (bf16 q/k/v, fp32 gates in the bounded
+    range, one state slot per sequence, every sequence with an initial state):
+    (q, k, v, g, beta, state_pool, slots, cu_seqlens, has_initial_state)."""
+    import torch
+
+    T, B = sum(lens), len(lens)
+    kw = dict(device=device, generator=generator)
+    q, k = (torch.randn(T, H, K, dtype=torch.bfloat16, **kw) for _ in range(2))
+    v = torch.randn(T, H, V, dtype=torch.bfloat16, **kw)
+    g = -5.0 * torch.sigmoid(torch.randn(T, H, K, **kw))
+    beta = torch.rand(T, H, **kw)
+    pool = torch.randn(B, H, V, K, **kw) * 0.1
+    cu = torch.tensor([0, *torch.tensor(list(lens)).cumsum(0).tolist()], device=device, dtype=torch.int32)
+    slots = torch.arange(B, device=device, dtype=torch.int32)
+    init = torch.ones(B, dtype=torch.bool, device=device)
+    return q, k, v, g, beta, pool, slots, cu, init

@@ -18,31 +18,17 @@ import torch
 from k3serve.kernels import ops
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import kernel_breakdown  # noqa: E402
+from _util import kda_prefill_case, kernel_breakdown, ragged_lens  # noqa: E402
 
 DEV = "cuda"
 BF = torch.bfloat16
 
 
-def ragged_lens(seed: int, total: int = 16384, n: int = 64) -> list[int]:
-    """The ragged batch of benchmarks/kernels.py: n sequences of 12..512 tokens scaled to ~total."""
-    g = torch.Generator().manual_seed(seed)
-    lens = (torch.rand(n, generator=g) * 500 + 12).long()
-    return (lens * (total / lens.sum())).long().clamp_min(1).tolist()
-
-
 def kda_prefill(reps, T=8192, H=32, lens=None):
-    K = V = 128
+    K = 128
     lens = lens or [T]
     T, B = sum(lens), len(lens)
-    q, k = (torch.randn(T, H, K, device=DEV, dtype=BF) for _ in range(2))
-    v = torch.randn(T, H, V, device=DEV, dtype=BF)
-    g = -5.0 * torch.sigmoid(torch.randn(T, H, K, device=DEV))
-    beta = torch.rand(T, H, device=DEV)
-    pool = torch.randn(B, H, V, K, device=DEV) * 0.1
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV, dtype=torch.int32)
-    slots = torch.arange(B, device=DEV, dtype=torch.int32)
-    init = torch.ones(B, dtype=torch.bool, device=DEV)
+    q, k, v, g, beta, pool, slots, cu, init = kda_prefill_case(lens, H)
     kernel_breakdown(f"ours kda_chunked T={T} H={H} seqs={B}", lambda: ops.kda_chunked(q, k, v, g, beta, pool, slots, cu, init), reps)
     try:
         from fla.ops.kda import chunk_kda

@@ -16,6 +16,7 @@ would fit in L2. Sections run in priority order; rows past --budget-s are report
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -24,6 +25,9 @@ import triton
 
 from k3serve.kernels import ops, reference
 from k3serve.kernels.reference.mxfp4 import mxfp4_dequantize, mxfp4_quantize
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import kda_prefill_case, ragged_lens  # noqa: E402
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -188,9 +192,7 @@ def kda_prefill_rows(fla_chunk, out, heads, Ts, ragged, deadline):
     for H in heads:
         cases = [(f"T={T // 1024}K H={H}", [T]) for T in Ts]
         if ragged:
-            g = torch.Generator().manual_seed(H)
-            lens = (torch.rand(64, generator=g) * 500 + 12).long()
-            lens = (lens * (16384 / lens.sum())).long().clamp_min(1).tolist()
+            lens = ragged_lens(H)
             cases.append((f"ragged 64 seqs {sum(lens)} tok H={H}", lens))
         for name, lens in cases:
             if time.time() > deadline:
@@ -199,15 +201,7 @@ def kda_prefill_rows(fla_chunk, out, heads, Ts, ragged, deadline):
             T = sum(lens)
             B = len(lens)
             try:
-                q = torch.randn(T, H, K, device=DEV, dtype=BF)
-                k = torch.randn(T, H, K, device=DEV, dtype=BF)
-                v = torch.randn(T, H, V, device=DEV, dtype=BF)
-                g = -5.0 * torch.sigmoid(torch.randn(T, H, K, device=DEV))
-                beta = torch.rand(T, H, device=DEV)
-                pool = torch.randn(B, H, V, K, device=DEV) * 0.1
-                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV, dtype=torch.int32)
-                slots = torch.arange(B, device=DEV, dtype=torch.int32)
-                init = torch.ones(B, dtype=torch.bool, device=DEV)
+                q, k, v, g, beta, pool, slots, cu, init = kda_prefill_case(lens, H, K, V, DEV)
                 t_ours = bench(lambda: ops.kda_chunked(q, k, v, g, beta, pool, slots, cu, init), warmup=10, rep=60)
             except torch.OutOfMemoryError:
                 emit("kda_chunked prefill", name + " (OOM)", None, None, "-", out=out)

@@ -24,10 +24,9 @@ import triton
 from k3serve.kernels.triton.kda_chunk import kda_chunked_triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import kernel_breakdown  # noqa: E402
+from _util import kda_prefill_case, kernel_breakdown, ragged_lens  # noqa: E402
 
 DEV = "cuda"
-BF = torch.bfloat16
 K = V = 128
 
 # (name, kwargs) in priority order; the first is the registered default and the reference of the error columns
@@ -58,24 +57,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make_case(lens: list[int], H: int, seed: int = 0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    T, B = sum(lens), len(lens)
-    q = torch.randn(T, H, K, device=DEV, dtype=BF, generator=g)
-    k = torch.randn(T, H, K, device=DEV, dtype=BF, generator=g)
-    v = torch.randn(T, H, V, device=DEV, dtype=BF, generator=g)
-    gate = -5.0 * torch.sigmoid(torch.randn(T, H, K, device=DEV, generator=g))
-    beta = torch.rand(T, H, device=DEV, generator=g)
-    pool = torch.randn(B, H, V, K, device=DEV, generator=g) * 0.1
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV, dtype=torch.int32)
-    slots = torch.arange(B, device=DEV, dtype=torch.int32)
-    init = torch.ones(B, dtype=torch.bool, device=DEV)
-    return q, k, v, gate, beta, pool, slots, cu, init
-
-
-def ragged_lens(seed: int = 32) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    lens = (torch.rand(64, generator=g) * 500 + 12).long()
-    return (lens * (16384 / lens.sum())).long().clamp_min(1).tolist()
+    return kda_prefill_case(lens, H, K, V, DEV, torch.Generator(device=DEV).manual_seed(seed))
 
 
 def try_fla():
@@ -97,7 +79,7 @@ def main() -> int:
     print(f"# device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     fla = try_fla()
     cases = [("T=8K H=32", [8192], 32), ("T=8K H=96", [8192], 96)]
-    lens = ragged_lens()
+    lens = ragged_lens(32)
     cases.append((f"ragged 64 seqs {sum(lens)} tok H=32", lens, 32))
     head = ["case", "variant", "µs", "fused/this", "FLA/this", "rel err o", "rel err state"]
     data, rows = [], {}
