@@ -261,3 +261,36 @@ def test_fused_decode_matches_reference(lower_bound):
     assert (out[1] == 0).all()
     assert rel(pool[used], rp[used]) < 1e-5 and rel(cs[used], rc[used]) < 1e-6
     assert torch.isnan(pool[[1, 2, 4, 6]]).all() and torch.isnan(cs[[1, 2, 4, 6]]).all()
+
+
+def test_chunked_reuses_the_batch_plan_for_the_same_tensors(monkeypatch):
+    """Every KDA layer of an engine step passes the same cu_seqlens / slots / flags tensors: the host-side plan
+    (device reads + chunk grid) is built once, reused while the tensors are the same objects at the same
+    version, and rebuilt after an in-place write or for new tensor objects, with exact results each time."""
+    import k3serve.kernels.triton.kda_chunk as KC
+
+    builds = []
+    real = KC._varlen.seq_starts
+    monkeypatch.setattr(KC._varlen, "seq_starts", lambda cu: builds.append(1) or real(cu))
+    lens = [5, 70, 1]
+    q, k, v, gg, beta = inputs(lens, seed=3)
+    si = torch.tensor([2, 0, 1])
+    init = torch.tensor([True, False, True])
+    cu = cu_of(lens)
+    pool0 = torch.randn(3, H, V, K, generator=torch.Generator().manual_seed(4))
+
+    def run(cu_t, si_t, init_t):
+        pool, ref_pool = pool0.clone(), pool0.double()
+        ref = R.kda_chunked(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si_t, cu_t,
+                            init_t)
+        out = kda_chunked_triton(q, k, v, gg, beta, pool, si_t, cu_t, init_t)
+        assert rel(out, ref) < 1e-5 and rel(pool, ref_pool) < 1e-5
+
+    run(cu, si, init)
+    run(cu, si, init)  # a second layer of the same step: no rebuild
+    assert len(builds) == 1
+    cu[1:] = cu_of([40, 35, 1])[1:]  # written in place (a new step in a reused buffer): rebuilt
+    run(cu, si, init)
+    assert len(builds) == 2
+    run(cu, si.clone(), init)  # a new tensor object with the same values: rebuilt, never trusted by value
+    assert len(builds) == 3
