@@ -151,3 +151,39 @@ def kda_prefill_case(lens: Sequence[int], H: int, K: int = 128, V: int = 128, de
     slots = torch.arange(B, device=device, dtype=torch.int32)
     init = torch.ones(B, dtype=torch.bool, device=device)
     return q, k, v, g, beta, pool, slots, cu, init
+
+
+def gpu_time_us(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    """Median time of fn() in µs on the GPU (CUDA events; `warmup` / `rep` in ms as triton.testing.do_bench
+    takes them)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+def copy_bandwidth(warmup: int = 25, rep: int = 100) -> float:
+    """Device copy bandwidth in bytes/s (read + write) of a 2 GiB fp32 copy: the ceiling the GPU benchmarks
+    report their rates against."""
+    import torch
+
+    a = torch.randn(1 << 29, device="cuda", dtype=torch.float32)
+    b = torch.empty_like(a)
+    t = gpu_time_us(lambda: b.copy_(a), warmup, rep)
+    return 2 * a.numel() * 4 / (t * 1e-6)
+
+
+def cuda_graph(fn: Callable[[], Any], warmups: int = 2):
+    """fn captured in a CUDA graph, after `warmups` runs on a side stream (Triton compiles, allocator)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g

@@ -27,7 +27,8 @@ from k3serve.kernels import ops, reference
 from k3serve.kernels.reference.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import kda_prefill_case, ragged_lens  # noqa: E402
+from _util import copy_bandwidth, cuda_graph, kda_prefill_case, ragged_lens  # noqa: E402
+from _util import gpu_time_us as bench  # noqa: E402
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -36,11 +37,6 @@ HEAD = ["op", "shape", "ours_us", "base_us", "baseline", "base/ours", "rate", "%
 CEIL = {"bw": None, "mm": None}
 ANCHOR_RATIO = {(8192, 96): 1.81, (8192, 32): 1.27, (16384, 32): 0.91, (65536, 32): 0.91, (8192, 12): 1.66,
                 (32768, 12): 0.53}  # FLA ms / FlashKDA ms from anchors.md, keyed (T, heads)
-
-
-def bench(fn, warmup=25, rep=100) -> float:
-    """Median time of fn() in µs (CUDA events)."""
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
 
 
 def emit(op, shape, ours, base, base_name, rate=None, rate_kind="bw", target="", met=None, out=None):
@@ -60,12 +56,7 @@ def emit(op, shape, ours, base, base_name, rate=None, rate_kind="bw", target="",
 
 
 def ceilings():
-    n = 1 << 30  # 2 GiB of bf16... 1 Gi elements of 2 bytes
-    a = torch.randn(n // 2, device=DEV, dtype=torch.float32)
-    b = torch.empty_like(a)
-    t = bench(lambda: b.copy_(a))
-    CEIL["bw"] = 2 * a.numel() * 4 / (t * 1e-6)
-    a = b = None
+    CEIL["bw"] = copy_bandwidth()
     x = torch.randn(8192, 8192, device=DEV, dtype=BF)
     y = torch.randn(8192, 8192, device=DEV, dtype=BF)
     t = bench(lambda: x @ y)
@@ -172,15 +163,7 @@ def kda_decode_graph_rows(out, heads, layers=8):
 
         step()
         torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        t = bench(graph.replay) / layers
+        t = bench(cuda_graph(step, warmups=1).replay) / layers
         sb = 2 * H * V * K * 4
         emit("kda_decode in graph", f"N=1 H={H} per layer", t, None, "-", sb / (t * 1e-6), target="≤15 µs",
              met=t <= 15.0, out=out)

@@ -15,6 +15,7 @@ is reported and not timed. Target: >= 80% of copy at T=4096.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -23,6 +24,10 @@ import triton
 
 from k3serve.kernels import reference
 from k3serve.kernels.triton.attn_res import attn_res_triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import copy_bandwidth  # noqa: E402
+from _util import gpu_time_us as bench  # noqa: E402
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -39,18 +44,6 @@ CONFIGS = [
     ("chunk w4 c1024 s2", dict(variant="chunk", num_stages=2)),
     ("chunk w8 c2048 s3", dict(variant="chunk", num_warps=8)),
 ]
-
-
-def bench(fn, warmup=25, rep=100) -> float:
-    """Median time of fn() in µs (CUDA events; warmup/rep in ms as triton.testing.do_bench takes them)."""
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
-
-
-def copy_bandwidth() -> float:
-    a = torch.randn(1 << 29, device=DEV, dtype=torch.float32)  # 2 GiB
-    b = torch.empty_like(a)
-    t = bench(lambda: b.copy_(a))
-    return 2 * a.numel() * 4 / (t * 1e-6)
 
 
 def rel(out, ref) -> float:

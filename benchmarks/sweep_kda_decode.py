@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import triton
@@ -27,7 +28,7 @@ from k3serve.kernels import reference
 from k3serve.kernels.triton.kda_decode import kda_decode_triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import print_table  # noqa: E402
+from _util import copy_bandwidth, cuda_graph, gpu_time_us, print_table  # noqa: E402
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -51,16 +52,7 @@ VARIANTS = {
 }
 
 
-def bench(fn, warmup=10, rep=30) -> float:
-    """Median time of fn() in µs (CUDA events)."""
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
-
-
-def copy_bandwidth() -> float:
-    a = torch.randn((1 << 30) // 2, device=DEV)  # 2 GiB of fp32
-    b = torch.empty_like(a)
-    t = bench(lambda: b.copy_(a), warmup=10, rep=50)
-    return 2 * a.numel() * 4 / (t * 1e-6)
+bench = partial(gpu_time_us, warmup=10, rep=30)
 
 
 def rel(out, ref) -> float:
@@ -165,15 +157,7 @@ class Shape:
                 )
 
         step()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return bench(graph.replay) / LAYERS
+        return bench(cuda_graph(step, warmups=1).replay) / LAYERS
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -204,7 +188,7 @@ def main():
     variants = {k: v for k, v in VARIANTS.items() if args.only is None or k in args.only}
     variants.update(parse_variant(s) for s in args.variant)
     print(f"# device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(warmup=10, rep=50)
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     for H in args.H:

@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import triton
@@ -24,7 +25,7 @@ import triton
 from k3serve.kernels.triton.kda_chunk import kda_chunked_triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import kda_prefill_case, kernel_breakdown, ragged_lens  # noqa: E402
+from _util import gpu_time_us, kda_prefill_case, kernel_breakdown, ragged_lens  # noqa: E402
 
 DEV = "cuda"
 K = V = 128
@@ -47,8 +48,7 @@ VARIANTS: list[tuple[str, dict]] = [
 ]
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
+bench = partial(gpu_time_us, warmup=5, rep=40)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 import triton
@@ -30,6 +31,9 @@ from k3serve.kernels.triton.mla_decode import (
     default_config,
     mla_paged_attention_triton,
 )
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import copy_bandwidth, cuda_graph, gpu_time_us  # noqa: E402
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -56,16 +60,7 @@ VARIANTS = [
 ]
 
 
-def bench(fn, warmup=5, rep=30) -> float:
-    """Median time of fn() in µs (CUDA events, L2 flushed between calls)."""
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
-
-
-def copy_bandwidth() -> float:
-    a = torch.randn(1 << 29, device=DEV, dtype=torch.float32)  # 2 GiB
-    b = torch.empty_like(a)
-    t = bench(lambda: b.copy_(a))
-    return 2 * a.numel() * 4 / (t * 1e-6)
+bench = partial(gpu_time_us, warmup=5, rep=30)
 
 
 def make_inputs(B, Hh, seed=0):
@@ -107,16 +102,7 @@ def rel(out, ref) -> float:
 
 
 def graph_time(fn) -> float | None:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay)
+    return bench(cuda_graph(fn).replay)
 
 
 def prepare(B, Hh) -> dict:

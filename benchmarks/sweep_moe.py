@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import triton
@@ -30,7 +31,7 @@ from k3serve.kernels.triton import moe
 from k3serve.kernels.triton.moe import moe_experts_triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import kernel_breakdown, print_table  # noqa: E402
+from _util import copy_bandwidth, cuda_graph, gpu_time_us, kernel_breakdown, print_table  # noqa: E402
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -54,37 +55,22 @@ CONFIGS = [
 ]
 
 
-def bench(fn, warmup=10, rep=40) -> float:
-    """Median µs (CUDA events; do_bench zeroes a 256 MB buffer before each call, flushing the L2)."""
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+bench = partial(gpu_time_us, warmup=10, rep=40)
 
 
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 29, device=DEV, dtype=torch.float32).fill_(1.0)
-    b = torch.empty_like(a)
-    t = bench(lambda: b.copy_(a), rep=100)
-    bw = 2 * a.numel() * 4 / (t * 1e-6)
+def print_copy_bandwidth() -> float:
+    bw = copy_bandwidth(warmup=10, rep=100)
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s (read + write, 2 GiB)", flush=True)
     return bw
 
 
 def graph_of(fn):
     """fn captured in a CUDA graph (after warm-up runs on a side stream), or None if capture fails."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
-            fn()
+        return cuda_graph(fn)
     except Exception as e:  # noqa: BLE001
         print(f"# graph capture failed: {e!r}", flush=True)
         return None
-    return g
 
 
 def run_shape(name, Ts, bw, deadline, rows, profile):
@@ -148,7 +134,7 @@ def main() -> int:
     t0 = time.time()
     print(f"# device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"moe.DEFAULT_VARIANT={moe.DEFAULT_VARIANT!r} AUTO_GEMV_MAX_PAIRS={moe.AUTO_GEMV_MAX_PAIRS}", flush=True)
-    bw = copy_bandwidth()
+    bw = print_copy_bandwidth()
     rows: list[list] = []
     for name in args.only:
         run_shape(name, args.T, bw, t0 + args.budget_s, rows, args.profile)
