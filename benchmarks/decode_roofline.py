@@ -75,9 +75,9 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode steps")
     args = ap.parse_args()
+    from k3serve.sampling_params import SamplingParams
     from k3serve.workers.llm import LLM
     from k3serve.workers.model.make_model import make_model
-    from k3serve.workers.sampling_params import SamplingParams
 
     bw = copy_bandwidth()
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s")

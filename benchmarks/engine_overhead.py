@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _util import print_table  # noqa: E402
 
+from k3serve.sampling_params import SamplingParams  # noqa: E402
 from k3serve.workers.engine.block_pool import BlockPool  # noqa: E402
 from k3serve.workers.engine.cache_layout import plan_cache_layout  # noqa: E402
 from k3serve.workers.engine.kv_cache_manager import HybridKVCacheManager  # noqa: E402
@@ -27,7 +28,6 @@ from k3serve.workers.engine.model_runner import InputPreparer  # noqa: E402
 from k3serve.workers.engine.request import Request  # noqa: E402
 from k3serve.workers.engine.scheduler import Scheduler  # noqa: E402
 from k3serve.workers.model.make_model import build_config  # noqa: E402
-from k3serve.workers.sampling_params import SamplingParams  # noqa: E402
 
 
 def measure(n_reqs: int, ctx: int = 512, steps: int = 50) -> tuple[float, float]:

@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _agentic_trace import AgenticTrace, make_trace  # noqa: E402
 from _util import print_table  # noqa: E402
 
+from k3serve.sampling_params import SamplingParams  # noqa: E402
 from k3serve.workers.llm import LLM  # noqa: E402
-from k3serve.workers.sampling_params import SamplingParams  # noqa: E402
 
 HEADERS = ["config", "hit%", "hit/dense", "prefill computed", "computed/off", "peak KDA MiB", "snaps stored",
            "evicted", "evicted KDA", "preempt", "wall s", "wall/off", "tokens==off"]

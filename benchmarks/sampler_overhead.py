@@ -12,8 +12,8 @@ import sys
 
 import torch
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.sampler import Sampler, SamplingState
-from k3serve.workers.sampling_params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _util import print_table, timeit  # noqa: E402

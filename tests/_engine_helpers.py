@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
 from k3serve.workers.model.reference import greedy_generate, load_reference_model
 from k3serve.workers.model.testing import write_random_model
-from k3serve.workers.sampling_params import SamplingParams
 
 
 def random_model_dir(tmp: Path, seed: int) -> Path:

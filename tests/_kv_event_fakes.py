@@ -8,7 +8,7 @@ import random
 
 import _serve_fakes as fakes
 
-from k3serve.workers.engine.llm_engine import KVEvent
+from k3serve.kv_events.types import KVEvent
 
 BLOCK = 16
 GROUPS = ((0, "mla"), (1, "kda"))

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from k3serve.workers.detokenizer import IncrementalDetokenizer
-from k3serve.workers.outputs import CompletionOutput, Logprob, RequestOutput
-from k3serve.workers.tokenizer import K3Tokenizer, write_tokenizer_files
+from k3serve.detokenizer import IncrementalDetokenizer
+from k3serve.outputs import CompletionOutput, Logprob, RequestOutput
+from k3serve.tokenizer import K3Tokenizer, write_tokenizer_files
 
 O, C, S, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 END = f"{C}message{S}{EOM}"

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from k3serve.workers.chat import ParsedOutput, StreamingParser, ToolCall, parse_output
-from k3serve.workers.chat.parsers import collect
+from k3serve.chat import ParsedOutput, StreamingParser, ToolCall, parse_output
+from k3serve.chat.parsers import collect
 
 O, C, S, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 

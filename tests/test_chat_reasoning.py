@@ -2,8 +2,8 @@
 
 import pytest
 
-from k3serve.workers.chat.reasoning import count_reasoning_tokens, is_reasoning_end, marker_ids
-from k3serve.workers.tokenizer import K3Tokenizer, write_tokenizer_files
+from k3serve.chat.reasoning import count_reasoning_tokens, is_reasoning_end, marker_ids
+from k3serve.tokenizer import K3Tokenizer, write_tokenizer_files
 
 
 @pytest.fixture(scope="module")

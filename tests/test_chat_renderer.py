@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from k3serve.workers.chat import parse_output, render_chat
-from k3serve.workers.tokenizer import K3Tokenizer, write_tokenizer_files
+from k3serve.chat import parse_output, render_chat
+from k3serve.tokenizer import K3Tokenizer, write_tokenizer_files
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from k3serve.workers.detokenizer import IncrementalDetokenizer
-from k3serve.workers.tokenizer import K3Tokenizer, write_tokenizer_files
+from k3serve.detokenizer import IncrementalDetokenizer
+from k3serve.tokenizer import K3Tokenizer, write_tokenizer_files
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
-from k3serve.workers.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

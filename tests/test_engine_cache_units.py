@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from k3serve.common.block_hash import chain_hashes, root_hash, unit_hash
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.engine.block_pool import BlockPool, NoFreeBlocks
 from k3serve.workers.engine.cache_layout import KVCacheTensors, plan_cache_layout
 from k3serve.workers.engine.kv_cache_manager import HybridKVCacheManager
 from k3serve.workers.engine.request import Request
-from k3serve.workers.sampling_params import SamplingParams
 
 
 def fake_config(n_layers=8, kda_every=4):

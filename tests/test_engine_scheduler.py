@@ -4,12 +4,12 @@ from types import SimpleNamespace
 
 import torch
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.engine.block_pool import BlockPool
 from k3serve.workers.engine.cache_layout import plan_cache_layout
 from k3serve.workers.engine.kv_cache_manager import HybridKVCacheManager
 from k3serve.workers.engine.request import Request, RequestStatus
 from k3serve.workers.engine.scheduler import Scheduler, token_budget
-from k3serve.workers.sampling_params import SamplingParams
 
 
 def _setup(num_blocks=64, budget=16, max_seqs=4):

@@ -6,8 +6,8 @@ import random
 
 from _engine_helpers import tight_kv_budget
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
-from k3serve.workers.sampling_params import SamplingParams
 
 
 def test_random_workload_frees_every_page(tiny_model_dir):

@@ -10,13 +10,13 @@ import _serve_fakes as fakes  # tests/ is on sys.path (conftest)
 import pytest
 from _kv_event_fakes import CacheFake
 
+from k3serve.kv_events.index import KvEventGap, KvEventIndex
+from k3serve.kv_events.types import KVEvent
+from k3serve.proto import worker_pb2 as pb
+from k3serve.proto.convert import kv_batch_to_proto, kv_event_from_proto, kv_event_to_proto
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.async_engine import AsyncEngine, EngineDeadError
-from k3serve.workers.engine.llm_engine import KVEvent
-from k3serve.workers.grpc_convert import kv_batch_to_proto, kv_event_from_proto, kv_event_to_proto
-from k3serve.workers.kv_event_index import KvEventGap, KvEventIndex
 from k3serve.workers.kv_events import KvEventHub, SubscriberTooSlow
-from k3serve.workers.proto import worker_pb2 as pb
-from k3serve.workers.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

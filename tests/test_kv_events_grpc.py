@@ -16,16 +16,16 @@ import pytest
 import torch
 from _kv_event_fakes import CacheFake
 
+from k3serve.kv_events.index import KvEventIndex
+from k3serve.proto import worker_pb2 as pb
+from k3serve.proto import worker_pb2_grpc as pb_grpc
+from k3serve.proto.convert import load_to_dict, sampling_to_proto
 from k3serve.workers import worker as worker_cli
 from k3serve.workers.async_engine import AsyncEngine
 from k3serve.workers.engine.cache_layout import plan_cache_layout
 from k3serve.workers.engine_cli import start_engine
-from k3serve.workers.grpc_convert import load_to_dict, sampling_to_proto
 from k3serve.workers.grpc_service import start_grpc_server
-from k3serve.workers.kv_event_index import KvEventIndex
 from k3serve.workers.model.config import K3Config
-from k3serve.workers.proto import worker_pb2 as pb
-from k3serve.workers.proto import worker_pb2_grpc as pb_grpc
 
 MAX_LEN, BLOCK, UNIT = 128, 16, 8
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers import serve as serve_cli
 from k3serve.workers import worker as worker_cli
 from k3serve.workers.engine.cache_layout import plan_cache_layout
 from k3serve.workers.engine_cli import start_engine
 from k3serve.workers.model.config import K3Config
-from k3serve.workers.sampling_params import SamplingParams
 from k3serve.workers.serving.app import build_app
 
 MAX_LEN, BLOCK = 128, 16

@@ -19,10 +19,10 @@ def _digest(d):
 
 
 def test_small_preset_on_gpu(tmp_path):
+    from k3serve.tokenizer import K3Tokenizer
     from k3serve.workers.model.loader import load_model_weights
     from k3serve.workers.model.make_model import make_model
     from k3serve.workers.model.reference import ReferenceModel, greedy_generate
-    from k3serve.workers.tokenizer import K3Tokenizer
 
     t0 = time.time()
     make_model(tmp_path / "a", preset="small", seed=0)

@@ -7,8 +7,8 @@ import random
 import pytest
 from _engine_helpers import random_model_dir, tight_kv_budget
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
-from k3serve.workers.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

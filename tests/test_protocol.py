@@ -1,11 +1,11 @@
-"""k3serve.common.openai_protocol: request validation, sampling mapping, context check, responses, SSE."""
+"""k3serve.openai_api.protocol: request validation, sampling mapping, context check, responses, SSE."""
 
 import json
 
 import pytest
 
-from k3serve.common import openai_protocol as P
-from k3serve.workers.sampling_params import SamplingParams
+from k3serve.openai_api import protocol as P
+from k3serve.sampling_params import SamplingParams
 
 
 def chat(**kw):

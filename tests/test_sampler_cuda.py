@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.sampler import Sampler, SamplingState
-from k3serve.workers.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 V = 4096

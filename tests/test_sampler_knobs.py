@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.sample.filters import apply_min_p, apply_top_k_top_p
 from k3serve.workers.sample.processors import (
     apply_logit_bias,
@@ -16,7 +17,6 @@ from k3serve.workers.sample.processors import (
 )
 from k3serve.workers.sample.state import TokenIdCache
 from k3serve.workers.sampler import Sampler, SamplingState
-from k3serve.workers.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 

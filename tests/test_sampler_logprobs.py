@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.sampler import Sampler, SamplingState, compute_logprobs, gather_logprobs, token_ranks
-from k3serve.workers.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 

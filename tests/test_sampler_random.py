@@ -6,9 +6,9 @@ import random
 
 import torch
 
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.sample.draw import exponential_noise, step_seed
 from k3serve.workers.sampler import Sampler, SamplingState, make_generator
-from k3serve.workers.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 V = 64

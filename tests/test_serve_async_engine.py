@@ -8,11 +8,11 @@ import _serve_fakes as fakes  # tests/ is on sys.path (conftest)
 import pytest
 from prometheus_client import CollectorRegistry
 
+from k3serve.openai_api.deltas import DeltaTracker
+from k3serve.outputs import CompletionOutput, Logprob, RequestOutput
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError, new_request_id
 from k3serve.workers.metrics import EngineMetrics
-from k3serve.workers.outputs import CompletionOutput, Logprob, RequestOutput
-from k3serve.workers.sampling_params import SamplingParams
-from k3serve.workers.serving.deltas import DeltaTracker
 
 M = "m"
 

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from k3serve.common.http_errors import read_api_key_file
+from k3serve.openai_api.errors import read_api_key_file
 from k3serve.workers import serve, worker
 from k3serve.workers.engine_cli import engine_args_from
 

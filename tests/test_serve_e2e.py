@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from k3serve.workers.chat.renderer import render_chat
-from k3serve.workers.tokenizer import K3Tokenizer
+from k3serve.chat.renderer import render_chat
+from k3serve.tokenizer import K3Tokenizer
 
 NAME = "k3-tiny"
 MAX_LEN = 1024

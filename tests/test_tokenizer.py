@@ -7,7 +7,7 @@ import os
 import pytest
 import regex
 
-from k3serve.workers.tokenizer import (
+from k3serve.tokenizer import (
     KIMI_PAT_STR,
     NUM_RESERVED_SPECIAL_TOKENS,
     SPECIAL_TOKEN_OFFSETS,

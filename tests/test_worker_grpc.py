@@ -10,21 +10,21 @@ import _serve_fakes as fakes  # tests/ is on sys.path (conftest)
 import grpc
 import pytest
 
-from k3serve.common import openai_protocol as P
-from k3serve.workers.async_engine import AsyncEngine
-from k3serve.workers.grpc_convert import (
+from k3serve.openai_api import protocol as P
+from k3serve.openai_api.deltas import SeqDelta
+from k3serve.outputs import Logprob
+from k3serve.proto import worker_pb2 as pb
+from k3serve.proto import worker_pb2_grpc as pb_grpc
+from k3serve.proto.convert import (
     deltas_from_proto,
     deltas_to_proto,
     load_to_dict,
     sampling_kwargs_from_proto,
     sampling_to_proto,
 )
+from k3serve.sampling_params import SamplingParams
+from k3serve.workers.async_engine import AsyncEngine
 from k3serve.workers.grpc_service import start_grpc_server
-from k3serve.workers.outputs import Logprob
-from k3serve.workers.proto import worker_pb2 as pb
-from k3serve.workers.proto import worker_pb2_grpc as pb_grpc
-from k3serve.workers.sampling_params import SamplingParams
-from k3serve.workers.serving.deltas import SeqDelta
 
 
 class Loop:

@@ -13,9 +13,9 @@ import grpc
 import httpx
 import pytest
 
-from k3serve.workers.grpc_convert import load_to_dict, sampling_to_proto
-from k3serve.workers.proto import worker_pb2 as pb
-from k3serve.workers.proto import worker_pb2_grpc as pb_grpc
+from k3serve.proto import worker_pb2 as pb
+from k3serve.proto import worker_pb2_grpc as pb_grpc
+from k3serve.proto.convert import load_to_dict, sampling_to_proto
 
 MAX_LEN = 512
 
@@ -70,7 +70,7 @@ def test_generate_greedy_matches_offline_llm(worker, tiny_model_dir):
     from k3serve.workers.llm import LLM
 
     torch.set_num_threads(1)
-    from k3serve.workers.sampling_params import SamplingParams
+    from k3serve.sampling_params import SamplingParams
 
     prompt = [5, 17, 42, 99, 7]
     sp = dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)

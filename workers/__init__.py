@@ -9,9 +9,9 @@ from __future__ import annotations
 
 _EXPORTS = {
     "LLM": "k3serve.workers.llm",
-    "SamplingParams": "k3serve.workers.sampling_params",
-    "RequestOutput": "k3serve.workers.outputs",
-    "CompletionOutput": "k3serve.workers.outputs",
+    "SamplingParams": "k3serve.sampling_params",
+    "RequestOutput": "k3serve.outputs",
+    "CompletionOutput": "k3serve.outputs",
     "EngineArgs": "k3serve.workers.engine.api",
     "LLMEngine": "k3serve.workers.engine.llm_engine",
 }

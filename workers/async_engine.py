@@ -41,7 +41,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from k3serve.workers.outputs import CompletionOutput, RequestOutput
+from k3serve.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ def generate(model: str, prompt_ids: list[int], max_tokens: int, engine: str = "
 
         dt = torch.float64 if dtype == "auto" else getattr(torch, dtype)
         return reference_generate(model, prompt_ids, max_tokens, dtype=dt, device=device)
+    from k3serve.sampling_params import SamplingParams
     from k3serve.workers.llm import LLM
-    from k3serve.workers.sampling_params import SamplingParams
 
     llm = LLM(model=model, dtype=dtype, device=device)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -19,19 +19,19 @@ import logging
 
 import grpc
 
-from k3serve.workers.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError
-from k3serve.workers.grpc_convert import (
+from k3serve.openai_api.deltas import DeltaTracker
+from k3serve.openai_api.validate import check_params_token_ids
+from k3serve.proto import worker_pb2 as pb
+from k3serve.proto import worker_pb2_grpc as pb_grpc
+from k3serve.proto.convert import (
     MAX_EVENTS_PER_MESSAGE,
     deltas_to_proto,
     kv_batch_to_proto,
     sampling_kwargs_from_proto,
 )
+from k3serve.sampling_params import SamplingParams, SamplingParamsError
+from k3serve.workers.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError
 from k3serve.workers.kv_events import DEFAULT_MAX_QUEUED_BATCHES, KvEventHub, SubscriberTooSlow
-from k3serve.workers.proto import worker_pb2 as pb
-from k3serve.workers.proto import worker_pb2_grpc as pb_grpc
-from k3serve.workers.sampling_params import SamplingParams, SamplingParamsError
-from k3serve.workers.serving.deltas import DeltaTracker
-from k3serve.workers.serving.validate import check_params_token_ids
 
 log = logging.getLogger(__name__)
 

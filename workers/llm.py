@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from k3serve.outputs import RequestOutput
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.engine.api import EngineArgs
 from k3serve.workers.engine.llm_engine import LLMEngine
-from k3serve.workers.outputs import RequestOutput
-from k3serve.workers.sampling_params import SamplingParams
 
 
 class LLM:
@@ -46,7 +46,7 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *, tools=None,
              chat_template_kwargs: dict | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
-        from k3serve.workers.chat.renderer import render_chat
+        from k3serve.chat.renderer import render_chat
 
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         sp = sampling_params or SamplingParams()

@@ -23,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3serve.common.http_errors import read_api_key_file
+    from k3serve.openai_api.errors import read_api_key_file
     from k3serve.workers.serving.app import build_app
 
     setup_logging(args.log_level)

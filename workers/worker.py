@@ -48,7 +48,7 @@ def unsupported_layout(args: argparse.Namespace) -> str | None:
 def build_metrics_app(engine, registry):
     from fastapi import FastAPI
 
-    from k3serve.common.http_errors import install_error_handlers
+    from k3serve.openai_api.errors import install_error_handlers
     from k3serve.workers.serving.app import health_response, metrics_response
 
     app = FastAPI(title="k3serve worker", docs_url=None, redoc_url=None, openapi_url=None)

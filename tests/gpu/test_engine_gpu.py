@@ -16,10 +16,10 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from k3serve.sampling_params import SamplingParams  # noqa: E402
 from k3serve.workers.llm import LLM  # noqa: E402
 from k3serve.workers.model.reference import load_reference_model  # noqa: E402
 from k3serve.workers.model.testing import write_random_model  # noqa: E402
-from k3serve.workers.sampling_params import SamplingParams  # noqa: E402
 
 MARGIN = 2e-3  # x max |logit| of the row: fp32 rounding
 EXACT = {"float32": 0.97, "bfloat16": 0.75}

@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.common.block_hash import model_fingerprint
-from k3serve.workers.detokenizer import IncrementalDetokenizer
+from k3serve.detokenizer import IncrementalDetokenizer
+from k3serve.kv_events.types import KVEvent
+from k3serve.outputs import CompletionOutput, Logprob, RequestOutput
+from k3serve.sampling_params import SamplingParams
 from k3serve.workers.engine.api import EngineArgs
 from k3serve.workers.engine.block_pool import Block, BlockKey, BlockPool
 from k3serve.workers.engine.cache_layout import plan_cache_layout
@@ -19,28 +22,13 @@ from k3serve.workers.engine.kv_cache_manager import HybridKVCacheManager
 from k3serve.workers.engine.model_runner import ModelRunner
 from k3serve.workers.engine.request import Request, RequestStatus
 from k3serve.workers.engine.scheduler import Scheduler
-from k3serve.workers.outputs import CompletionOutput, Logprob, RequestOutput
 from k3serve.workers.sampler import Sampler, SamplingState
-from k3serve.workers.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
 DEFAULT_CPU_KV_BYTES = 256 << 20
-
-
-@dataclass
-class KVEvent:
-    """One prefix-cache change, for the router's index (published on the worker's event stream)."""
-
-    kind: str  # "stored" | "removed"
-    block_hash: bytes
-    parent_hash: bytes | None
-    group_id: int
-    group_kind: str  # "mla" | "kda"
-    num_tokens: int  # prefix length the key stands for (exact for KDA snapshots)
-    block_size: int
 
 
 @dataclass
@@ -90,8 +78,8 @@ def resolve_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
+        from k3serve.tokenizer import K3Tokenizer
         from k3serve.workers.model.loader import load_model_weights
-        from k3serve.workers.tokenizer import K3Tokenizer
 
         self.args = args
         self.device = args.device

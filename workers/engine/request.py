@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from k3serve.workers.sampling_params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -3,7 +3,7 @@
     k3serve make-model --preset tiny|small --out DIR [--seed N] [--set KEY=VALUE]... [--device D] [--dtype T]
 
 The directory gets config.json (kimi_k3 wrapper, hub spelling), model.safetensors (or shards + index),
-tiktoken.model + tokenizer_config.json (from `k3serve.workers.tokenizer`) and generation_config.json.
+tiktoken.model + tokenizer_config.json (from `k3serve.tokenizer`) and generation_config.json.
 Routed experts are MXFP4 unless `--set quantization_config=null`.
 
 `--set` repeats; KEY is a dotted path inside the text config, VALUE is JSON when it parses as JSON, else a
@@ -171,7 +171,7 @@ def make_model(
     max_shard_bytes: int | None = None,
 ) -> K3Config:
     """Write a complete checkpoint directory; returns its config. Deterministic per (preset, seed, sets, device)."""
-    from k3serve.workers.tokenizer import K3Tokenizer, write_tokenizer_files
+    from k3serve.tokenizer import K3Tokenizer, write_tokenizer_files
 
     from .checkpoint import save_checkpoint
     from .init_weights import init_weights

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling_params import SamplingParams
+from k3serve.sampling_params import SamplingParams
 
 # One logprob entry: (token_id, logprob, rank), rank = 1 + number of tokens with a strictly higher logprob.
 LogprobEntry = tuple[int, float, int]

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 
-from k3serve.common import openai_protocol as P
-from k3serve.common.http_errors import ApiKeyMiddleware, install_error_handlers
+from k3serve.openai_api import protocol as P
+from k3serve.openai_api.errors import ApiKeyMiddleware, install_error_handlers
 from k3serve.workers.async_engine import AsyncEngine
 from k3serve.workers.serving.chat import create_chat_completion
 from k3serve.workers.serving.completions import create_completion

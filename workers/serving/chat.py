@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from k3serve.common import openai_protocol as P
-from k3serve.workers.chat.renderer import render_chat
-from k3serve.workers.serving.chat_output import ChatOutputBuilder
+from k3serve.chat.renderer import render_chat
+from k3serve.openai_api import protocol as P
+from k3serve.openai_api.chat_output import ChatOutputBuilder
+from k3serve.openai_api.deltas import DeltaTracker
 from k3serve.workers.serving.context import ServingContext, respond
-from k3serve.workers.serving.deltas import DeltaTracker
 
 
 def render_request(tokenizer, req: P.ChatCompletionRequest):

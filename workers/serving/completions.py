@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from k3serve.common import openai_protocol as P
-from k3serve.workers.serving.completion_output import CompletionOutputBuilder
+from k3serve.openai_api import protocol as P
+from k3serve.openai_api.completion_output import CompletionOutputBuilder
+from k3serve.openai_api.deltas import DeltaTracker
 from k3serve.workers.serving.context import ServingContext, respond
-from k3serve.workers.serving.deltas import DeltaTracker
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
-from k3serve.common import openai_protocol as P
+from k3serve.openai_api import protocol as P
+from k3serve.openai_api.logprobs import TokenText
+from k3serve.openai_api.validate import check_params_token_ids, check_token_ids
+from k3serve.sampling_params import SamplingParams, SamplingParamsError
 from k3serve.workers.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from k3serve.workers.sampling_params import SamplingParams, SamplingParamsError
-from k3serve.workers.serving.logprobs import TokenText
-from k3serve.workers.serving.validate import check_params_token_ids, check_token_ids
 
 
 class ClientDisconnected(Exception):

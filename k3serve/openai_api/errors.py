@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3serve.common.openai_protocol import ProtocolError, error_body
+from k3serve.openai_api.protocol import ProtocolError, error_body
 
 log = logging.getLogger(__name__)
 

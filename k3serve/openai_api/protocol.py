@@ -8,7 +8,7 @@ Contents (no engine, torch or web-framework imports, so any component can use it
   `CompletionRequest`, parsed from raw bytes by `parse_request()`, which turns every failure (bad
   JSON, wrong type, out-of-range value, bad tool schema) into a `ProtocolError` (400) naming the field.
 * `sampling_kwargs()`: a request's generation settings as keyword arguments of
-  `k3serve.workers.sampling_params.SamplingParams` (plain dict; the caller builds the object).
+  `k3serve.sampling_params.SamplingParams` (plain dict; the caller builds the object).
 * `resolve_max_tokens()`: the context-length check shared by every front end.
 * Response builders (plain dicts in OpenAI's wire shape) and SSE framing (`sse_data`, `SSE_DONE`,
   `iter_sse_data`).

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from k3serve.workers.proto import worker_pb2 as k3serve_dot_workers_dot_proto_dot_worker__pb2
+from k3serve.proto import worker_pb2 as k3serve_dot_proto_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in k3serve/workers/proto/worker_pb2_grpc.py depends on'
+        + ' but the generated code in k3serve/proto/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class WorkerStub:
         """
         self.Generate = channel.unary_stream(
                 '/k3serve.worker.v1.Worker/Generate',
-                request_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.GenerateResponse.FromString,
+                request_serializer=k3serve_dot_proto_dot_worker__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=k3serve_dot_proto_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/k3serve.worker.v1.Worker/Abort',
-                request_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.AbortResponse.FromString,
+                request_serializer=k3serve_dot_proto_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=k3serve_dot_proto_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/k3serve.worker.v1.Worker/Health',
-                request_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.HealthRequest.SerializeToString,
-                response_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.HealthResponse.FromString,
+                request_serializer=k3serve_dot_proto_dot_worker__pb2.HealthRequest.SerializeToString,
+                response_deserializer=k3serve_dot_proto_dot_worker__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/k3serve.worker.v1.Worker/GetLoad',
-                request_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadRequest.SerializeToString,
-                response_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadResponse.FromString,
+                request_serializer=k3serve_dot_proto_dot_worker__pb2.LoadRequest.SerializeToString,
+                response_deserializer=k3serve_dot_proto_dot_worker__pb2.LoadResponse.FromString,
                 _registered_method=True)
         self.SubscribeKvEvents = channel.unary_stream(
                 '/k3serve.worker.v1.Worker/SubscribeKvEvents',
-                request_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
-                response_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
+                request_serializer=k3serve_dot_proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=k3serve_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
                 _registered_method=True)
 
 
@@ -99,28 +99,28 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.GenerateRequest.FromString,
-                    response_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=k3serve_dot_proto_dot_worker__pb2.GenerateRequest.FromString,
+                    response_serializer=k3serve_dot_proto_dot_worker__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=k3serve_dot_proto_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=k3serve_dot_proto_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.HealthRequest.FromString,
-                    response_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=k3serve_dot_proto_dot_worker__pb2.HealthRequest.FromString,
+                    response_serializer=k3serve_dot_proto_dot_worker__pb2.HealthResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadRequest.FromString,
-                    response_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadResponse.SerializeToString,
+                    request_deserializer=k3serve_dot_proto_dot_worker__pb2.LoadRequest.FromString,
+                    response_serializer=k3serve_dot_proto_dot_worker__pb2.LoadResponse.SerializeToString,
             ),
             'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribeKvEvents,
-                    request_deserializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventsRequest.FromString,
-                    response_serializer=k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventBatch.SerializeToString,
+                    request_deserializer=k3serve_dot_proto_dot_worker__pb2.KvEventsRequest.FromString,
+                    response_serializer=k3serve_dot_proto_dot_worker__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -148,8 +148,8 @@ class Worker:
             request,
             target,
             '/k3serve.worker.v1.Worker/Generate',
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.GenerateRequest.SerializeToString,
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.GenerateResponse.FromString,
+            k3serve_dot_proto_dot_worker__pb2.GenerateRequest.SerializeToString,
+            k3serve_dot_proto_dot_worker__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class Worker:
             request,
             target,
             '/k3serve.worker.v1.Worker/Abort',
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.AbortRequest.SerializeToString,
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.AbortResponse.FromString,
+            k3serve_dot_proto_dot_worker__pb2.AbortRequest.SerializeToString,
+            k3serve_dot_proto_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,8 +202,8 @@ class Worker:
             request,
             target,
             '/k3serve.worker.v1.Worker/Health',
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.HealthRequest.SerializeToString,
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.HealthResponse.FromString,
+            k3serve_dot_proto_dot_worker__pb2.HealthRequest.SerializeToString,
+            k3serve_dot_proto_dot_worker__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -229,8 +229,8 @@ class Worker:
             request,
             target,
             '/k3serve.worker.v1.Worker/GetLoad',
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadRequest.SerializeToString,
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.LoadResponse.FromString,
+            k3serve_dot_proto_dot_worker__pb2.LoadRequest.SerializeToString,
+            k3serve_dot_proto_dot_worker__pb2.LoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -256,8 +256,8 @@ class Worker:
             request,
             target,
             '/k3serve.worker.v1.Worker/SubscribeKvEvents',
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
-            k3serve_dot_workers_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
+            k3serve_dot_proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
+            k3serve_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from k3serve.workers.chat.xtml import (
+from k3serve.chat.xtml import (
     CLOSE,
     END_OF_MSG,
     MARKERS,

@@ -1,7 +1,7 @@
 """Conversions between worker.proto messages and plain Python data (no engine imports: the router uses it).
 
 * `sampling_to_proto(kwargs)` / `sampling_kwargs_from_proto(msg)`: SamplingParams keyword arguments
-  (as made by `openai_protocol.sampling_kwargs`) ⇄ `SamplingParams` message; unset fields stay unset.
+  (as made by `k3serve.openai_api.protocol.sampling_kwargs`) ⇄ `SamplingParams` message; unset fields stay unset.
 * `deltas_to_proto(deltas)` / `deltas_from_proto(msgs)`: `SeqDelta` ⇄ `SequenceDelta`.
 * `load_to_dict(msg)`: `LoadResponse` → dict with `LLMEngine.stats()`'s keys (+ `kv_event_sequence`).
 * `kv_event_to_proto(ev)` / `kv_event_from_proto(msg)`: a KV event (any object with KVEvent's fields)
@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-from k3serve.workers.outputs import Logprob
-from k3serve.workers.proto import worker_pb2 as pb
-from k3serve.workers.serving.deltas import SeqDelta
+from k3serve.openai_api.deltas import SeqDelta
+from k3serve.outputs import Logprob
+from k3serve.proto import worker_pb2 as pb
 
 _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "max_tokens", "min_tokens", "ignore_eos", "logprobs", "skip_special_tokens",

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from k3serve.workers.chat.xtml import (
+from k3serve.chat.xtml import (
     CLOSE,
     END_OF_MSG,
     IMAGE_PLACEHOLDER,

@@ -1,7 +1,7 @@
 """K3 chat program: prompt renderer (messages -> token ids) and output parsers (text -> reasoning,
 content, tool calls). The exact token format is documented in docs/chat-format.md."""
 
-from k3serve.workers.chat.parsers import (
+from k3serve.chat.parsers import (
     DeltaToolCall,
     ParsedDelta,
     ParsedOutput,
@@ -9,8 +9,8 @@ from k3serve.workers.chat.parsers import (
     ToolCall,
     parse_output,
 )
-from k3serve.workers.chat.reasoning import count_reasoning_tokens, is_reasoning_end
-from k3serve.workers.chat.renderer import RenderedPrompt, render_chat, resolve_thinking
+from k3serve.chat.reasoning import count_reasoning_tokens, is_reasoning_end
+from k3serve.chat.renderer import RenderedPrompt, render_chat, resolve_thinking
 
 __all__ = [
     "DeltaToolCall",

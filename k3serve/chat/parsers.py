@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3serve.workers.chat.lexer import XtmlLexer, XToken
-from k3serve.workers.chat.xtml import decode_value
+from k3serve.chat.lexer import XtmlLexer, XToken
+from k3serve.chat.xtml import decode_value
 
 
 @dataclass

@@ -5,9 +5,9 @@ A batch request has P prompts × n sequences; choice index = prompt_index * n + 
 
 from __future__ import annotations
 
-from k3serve.common import openai_protocol as P
-from k3serve.workers.serving.deltas import SeqDelta
-from k3serve.workers.serving.logprobs import CompletionLogprobs, TokenText, merge_completion_logprobs
+from k3serve.openai_api import protocol as P
+from k3serve.openai_api.deltas import SeqDelta
+from k3serve.openai_api.logprobs import CompletionLogprobs, TokenText, merge_completion_logprobs
 
 
 class CompletionOutputBuilder:

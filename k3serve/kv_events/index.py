@@ -13,7 +13,7 @@ the index (the first one) and carry the sequence the snapshot reflects; each liv
 
 from __future__ import annotations
 
-from k3serve.workers.grpc_convert import kv_event_from_proto
+from k3serve.proto.convert import kv_event_from_proto
 
 
 class KvEventGap(RuntimeError):

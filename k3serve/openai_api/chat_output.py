@@ -1,17 +1,17 @@
 """Chat-completions responses built from SeqDeltas of raw K3 output text (engine-free: the router reuses it).
 
 The engine generates with `skip_special_tokens=False`, so each sequence's text carries the XTML
-markers; `k3serve.workers.chat.parsers` splits it into reasoning (`reasoning_content`), content and
+markers; `k3serve.chat.parsers` splits it into reasoning (`reasoning_content`), content and
 tool calls. Streaming uses one `StreamingParser` per choice; non-streaming parses the whole text.
 A choice that produced tool calls and stopped normally reports `finish_reason="tool_calls"`.
 """
 
 from __future__ import annotations
 
-from k3serve.common import openai_protocol as P
-from k3serve.workers.chat.parsers import StreamingParser, parse_output
-from k3serve.workers.serving.deltas import SeqDelta
-from k3serve.workers.serving.logprobs import TokenText, chat_logprobs
+from k3serve.chat.parsers import StreamingParser, parse_output
+from k3serve.openai_api import protocol as P
+from k3serve.openai_api.deltas import SeqDelta
+from k3serve.openai_api.logprobs import TokenText, chat_logprobs
 
 
 def _finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:

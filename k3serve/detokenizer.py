@@ -24,7 +24,7 @@ class IncrementalDetokenizer:
     """Stateful detokenizer for one output sequence.
 
     ``tokenizer`` needs ``token_bytes(id) -> bytes`` and ``is_special(id) -> bool`` (see
-    :class:`k3serve.workers.tokenizer.K3Tokenizer`). Special tokens contribute their literal text
+    :class:`k3serve.tokenizer.K3Tokenizer`). Special tokens contribute their literal text
     unless ``skip_special_tokens``.
     """
 

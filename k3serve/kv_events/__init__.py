@@ -1,0 +1,1 @@
+"""Prefix-cache events: the type a worker publishes and the index a subscriber rebuilds from them."""
