@@ -9,6 +9,9 @@ need_apt=()
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v unshare >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v unzip >/dev/null 2>&1 || need_apt+=(unzip)
+# the Mooncake wheel imports nothing without libibverbs; a real Prometheus for the dashboard tests
+[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need_apt+=(libibverbs1)
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
@@ -23,5 +26,7 @@ fi
 # torch first, alone: the CPU wheel on disk (an unpinned torch would pull a CUDA build).
 .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+# NIXL without its declared deps: they would pull a CUDA torch; the CPU UCX backend needs none of them.
+.venv/bin/python -m pip install -q --no-deps -c constraints.txt "nixl-cu12==1.5.1"
 bash scripts/install-helm.sh || echo "note: helm could not be installed; helm tests will be skipped" >&2
 echo "k3serve installed in .venv"
