@@ -42,3 +42,12 @@ def ensure_tiny_model(seed: int = 0) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def default_serving_model() -> Path:
+    """The model `k3serve up` / `make run` serve when no `--model` is given.
+
+    The generated tiny model (random weights) until the trained demo model lands; then this returns
+    the demo model. Tests that need random weights call `ensure_tiny_model` directly.
+    """
+    return ensure_tiny_model()
