@@ -1,6 +1,7 @@
 """Command-line engine options shared by `k3serve serve` and `k3serve worker`, and the engine bootstrap.
 
-    add_engine_args(parser)                       # --max-model-len, --kv-cache-memory, ...
+    add_engine_args(parser)                       # one flag per EngineArgs field, --num-threads, --log-level
+    engine_args = engine_args_from(args, model)   # the EngineArgs those flags describe
     served = start_engine(args)                   # LLMEngine + metrics + AsyncEngine (thread started)
     served.async_engine / served.registry / served.model_names
 
@@ -8,6 +9,10 @@ Bad option values exit with a clear message: argparse rejects malformed ones (ex
 --block-size: ...`); values only the engine can judge (a prefix-match unit that does not divide the
 block size, a KV budget too small for `--max-model-len`, a missing model directory) make `start_engine`
 raise `EngineConfigError`, a SystemExit whose message `k3serve: error: ...` goes to stderr (exit 1).
+
+The engine flags are generated from the EngineArgs fields (workers/engine/api.py: type, default, help,
+choices and validation are declared there once); the flags that are not engine fields are listed in
+`HAND_WRITTEN` below.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import socket
 import threading
 from dataclasses import dataclass
 
+from k3serve.workers.engine.api import positive_int
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -27,92 +34,112 @@ class EngineConfigError(SystemExit):
     """The engine rejected the options (the message says which); exits the CLI with status 1."""
 
 
-def _memory(value: str) -> int | float:
-    """Bytes (int, with optional K/M/G suffix) or a fraction in (0, 1] of free GPU memory."""
-    v = value.strip()
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(v[-1:].lower())
+# Flags that are not EngineArgs fields, per command (every other engine flag is generated from the
+# fields: workers/engine/api.py says how to add one). tests/test_engine_args_cli.py checks that each
+# flag of `serve` and `worker` is either generated or listed here, so this is the one list of them.
+HAND_WRITTEN: dict[str, dict[str, str]] = {
+    "serve": {
+        "MODEL_DIR": "the positional checkpoint directory (becomes EngineArgs.model)",
+        "--host": "bind address of the HTTP server", "--port": "HTTP port (0 picks a free one)",
+        "--api-key-file": "Bearer auth for /v1/* (the server's, not the engine's)",
+        "--num-threads": "torch CPU threads of the process", "--log-level": "process logging",
+    },
+    "worker": {
+        "--model": "checkpoint directory (becomes EngineArgs.model; spelled as the pod contract does)",
+        "--role": "prefill | decode | both: which half of the P/D split this process serves",
+        "--host": "bind address of the gRPC and metrics servers", "--grpc-port": "gRPC port",
+        "--metrics-port": "/metrics, /health and /ready port",
+        "--tensor-parallel-size": "ranks of the process group (pod contract)",
+        "--data-parallel-size": "ranks of the process group (pod contract)",
+        "--expert-parallel": "expert sharding over the ranks (pod contract)",
+        "--kv-store": "Mooncake master address (pod contract)",
+        "--num-threads": "torch CPU threads of the process", "--log-level": "process logging",
+    },
+    "generate": {  # builds no EngineArgs from flags: `--engine reference` runs the reference forward
+        "--model": "checkpoint directory", "--prompt-ids": "comma-separated token ids",
+        "--max-tokens": "new tokens", "--engine": "reference (default: the plain forward, the oracle) | engine",
+        "--dtype": "auto means float64 for the reference and the engine's own default for the engine",
+        "--device": "torch device",
+    },
+}
+
+
+def _argparse_type(parse):
+    """argparse reports ArgumentTypeError messages as given; the field parsers raise ValueError."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def _infer_parse(default):
+    if isinstance(default, int):
+        return _int
+    if isinstance(default, float):
+        return float
+    return None  # str: argparse's own
+
+
+def _int(text: str) -> int:  # an int field without its own parser
     try:
-        if mult:
-            out: int | float = int(float(v[:-1]) * mult)
-        elif "." in v:
-            out = float(v)
-        else:
-            out = int(v)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {value!r} (bytes, e.g. 512M, or a fraction)") from None
-    if isinstance(out, float) and not 0 < out <= 1:
-        raise argparse.ArgumentTypeError(f"a fraction of free memory must be in (0, 1], got {value!r}")
-    if isinstance(out, int) and out <= 0:
-        raise argparse.ArgumentTypeError(f"the KV cache size must be positive, got {value!r}")
-    return out
+        raise ValueError(f"not an integer: {text!r}") from None
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
-    return n
+def engine_flags():
+    """(dataclasses.Field, Flag, option string) for every EngineArgs field that has a flag, in field order."""
+    import dataclasses
 
+    from k3serve.workers.engine.api import CLI, EngineArgs
 
-def _retention(value: str) -> int | str:
-    if value == "dense":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a retention interval: {value!r} (0, N or 'dense')") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError("retention interval must be >= 0")
-    return n
+    for f in dataclasses.fields(EngineArgs):
+        spec = f.metadata.get(CLI)
+        if spec is not None:
+            yield f, spec, spec.flag or "--" + f.name.replace("_", "-")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags, generated from the EngineArgs fields, plus --num-threads and --log-level."""
     g = p.add_argument_group("engine")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in `model` (default: the model directory's name)")
-    g.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (prompt + output)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    g.add_argument("--block-size", type=_positive_int, default=None,
-                   help="tokens per cache page (default: derived from the KDA state page size)")
-    g.add_argument("--kv-cache-memory", type=_memory, default=None,
-                   help="KV cache bytes (e.g. 256M) on CPU, or a fraction of free memory on CUDA")
-    g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--prefix-match-unit", type=_positive_int, default=None,
-                   help="tokens per prefix-hash unit (must divide the block size)")
-    g.add_argument("--prefix-cache-retention-interval", type=_retention, default=0,
-                   help="KDA snapshot retention: 0 (boundaries only), N tokens, or 'dense'")
-    g.add_argument("--prefix-cache-selective-retention", action="store_true",
-                   help="keep KDA snapshots only on a second hit (Marconi-style)")
-    g.add_argument("--prefix-cache-eviction", default="lru", choices=["lru", "compute-per-byte"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16"])
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="never replay decode steps from captured CUDA graphs")
-    g.add_argument("--cuda-graph-max-batch", type=_positive_int, default=256,
-                   help="largest decode batch that gets a captured CUDA graph")
-    g.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's)")
+    for f, spec, opt in engine_flags():
+        default = f.default
+        help_ = spec.help
+        if default is not None and default is not False and "default" not in help_:
+            help_ += " (default: %(default)s)"
+        kw: dict = {"dest": f.name, "default": default, "help": help_}
+        if isinstance(default, bool) or (default is None and spec.parse is None and spec.nargs is None
+                                         and spec.choices is None):
+            # a switch: False -> --flag; None -> --flag/--no-flag (unset: the engine decides)
+            kw["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
+        else:
+            parse = spec.parse or _infer_parse(default)
+            if parse is not None:
+                kw["type"] = _argparse_type(parse)
+            if spec.choices:
+                kw["choices"] = list(spec.choices)
+            if spec.nargs:
+                kw["nargs"] = spec.nargs
+            if spec.metavar:
+                kw["metavar"] = spec.metavar
+        g.add_argument(opt, **kw)
+    g.add_argument("--num-threads", type=_argparse_type(positive_int), default=None,
+                   help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
 
 def engine_args_from(args: argparse.Namespace, model: str):
+    """EngineArgs(model=model, <every generated flag's value>)."""
     from k3serve.workers.engine.api import EngineArgs
 
-    return EngineArgs(
-        model=model, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=args.enable_prefix_caching, prefix_match_unit=args.prefix_match_unit,
-        prefix_cache_retention_interval=args.prefix_cache_retention_interval,
-        prefix_cache_selective_retention=args.prefix_cache_selective_retention,
-        prefix_cache_eviction=args.prefix_cache_eviction, device=args.device, dtype=args.dtype, seed=args.seed,
-        served_model_name=(args.served_model_name or [None])[0],
-        enforce_eager=getattr(args, "enforce_eager", False),
-        cuda_graph_max_batch=getattr(args, "cuda_graph_max_batch", 256),
-    )
+    values = {}
+    for f, spec, _opt in engine_flags():
+        v = getattr(args, f.name, f.default)
+        values[f.name] = spec.to_field(v) if spec.to_field else v
+    return EngineArgs(model=model, **values)
 
 
 @dataclass

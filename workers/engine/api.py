@@ -12,31 +12,134 @@ background thread and hands add/abort calls over through a queue.
 
 `RequestOutput.outputs[i]` is cumulative (all tokens so far); streaming layers compute deltas.
 With n > 1 a request fans out into n sequences that share the prompt; outputs carry all n.
+
+EngineArgs is the one configuration source: `k3serve serve` and `k3serve worker` generate their
+engine flags from its fields (workers/engine_cli.py `add_engine_args` / `engine_args_from`), so a field
+declared here is settable from the command line with no other edit.
+
+How to add a field (its flag appears in `serve` and `worker` by itself):
+
+    my_budget: int | None = arg(None, "what it does, as `--help` shows it", parse=parse_size)
+
+* `arg(default, help, ...)` is `dataclasses.field` with the CLI description in its metadata. The flag is
+  the field name with `-` for `_` (`--my-budget`); pass `flag="--other-spelling"` only to keep a spelling
+  fixed elsewhere (the pod contract in docs/components.md names the worker's flags).
+* The value parser: `parse=` a function str -> value that raises ValueError with a readable message
+  (argparse prints it as `argument --my-budget: <message>`, exit 2). Without `parse=` it follows the
+  default's type (int, float, str). A bool field with default False is a switch (`--my-switch`); with
+  default None it is `--my-switch/--no-my-switch` (None = let the engine decide). `choices=` restricts
+  the values (and is shown in `--help`). Sizes use `parse_size` (k3serve/common/sizes.py: 8G, 8GiB,
+  512M, plain bytes) so every size flag reads the same way; `positive_int` and `non_negative_int` are
+  below. Checks that need several fields or the model (a unit dividing the block size, a budget too
+  small for a request) belong in the engine, which raises ValueError (`k3serve: error: ...`, exit 1).
+* `nargs="+"` with `to_field=` (a function from the parsed list to the field's value) for a flag that
+  takes several words; `cli=False` keeps a field off the command line (only `model`, which every
+  command spells its own way; tests/test_engine_args_cli.py fails for a field that is neither).
+* Flags that are not engine fields (`--num-threads`, `--log-level`, each command's own flags) are
+  listed in workers/engine_cli.py `HAND_WRITTEN`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+from k3serve.common.sizes import parse_size
+
+CLI = "k3serve.cli"  # the metadata key arg() stores its Flag under
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an EngineArgs field appears on the command line (see the module docstring)."""
+
+    help: str
+    parse: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    flag: str | None = None
+    nargs: str | None = None
+    to_field: Callable[[Any], Any] | None = None
+    metavar: str | None = None
+
+
+def arg(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, choices=None, flag: str | None = None,
+        nargs: str | None = None, to_field: Callable[[Any], Any] | None = None, metavar: str | None = None,
+        cli: bool = True):
+    """A dataclass field whose metadata says how its flag is generated (cli=False: not a flag).
+    `default=MISSING` makes the field required."""
+    meta = {CLI: Flag(help, parse, tuple(choices) if choices else None, flag, nargs, to_field, metavar)} if cli else {}
+    return field(default=default, metadata=meta)
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+    if n <= 0:
+        raise ValueError(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def kv_memory(text: str) -> int | float:
+    """Bytes (a size: 256M, 8GiB, plain bytes) or, written with a point and no unit, a fraction in (0, 1]."""
+    t = text.strip()
+    if "." in t and t.replace(".", "", 1).isdigit():
+        v = float(t)
+        if not 0 < v <= 1:
+            raise ValueError(f"a fraction of free memory must be in (0, 1], got {text!r}")
+        return v
+    try:
+        return parse_size(t)
+    except ValueError as e:
+        raise ValueError(f"{e} (or a fraction such as 0.9)") from None
+
+
+def retention_interval(text: str) -> int | str:
+    if text == "dense":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"not a retention interval: {text!r} (0, N or 'dense')") from None
+    if n < 0:
+        raise ValueError("retention interval must be >= 0")
+    return n
+
+
+def _first(names: list[str] | None) -> str | None:
+    return names[0] if names else None
 
 
 @dataclass
 class EngineArgs:
-    model: str
-    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    block_size: int | None = None  # default: derived from the KDA page size (design doc §2)
-    kv_cache_memory: int | float | None = None  # bytes on CPU; a fraction of free memory on CUDA
-    enable_prefix_caching: bool = False
-    prefix_match_unit: int | None = None
-    prefix_cache_retention_interval: int | str = 0  # 0 | N | "dense"
-    prefix_cache_selective_retention: bool = False
-    prefix_cache_eviction: str = "lru"  # lru | compute-per-byte
-    device: str = "cpu"
-    dtype: str = "auto"  # auto (bf16 on CUDA, float32 on CPU) | float32 | float64 | bfloat16
-    seed: int = 0
-    served_model_name: str | None = None
-    skip_tokenizer_init: bool = False  # serve token ids only (no detokenization, no stop strings)
-    enforce_eager: bool = False  # never run decode steps as captured CUDA graphs
-    cuda_graph_max_batch: int = 256  # largest decode batch with a captured graph
-    static_decode: bool | None = None  # fixed-shape padded decode steps (default: on CUDA only)
+    model: str = arg(MISSING, "checkpoint directory", cli=False)  # each command spells it its own way
+    max_model_len: int | None = arg(
+        None, "context length, prompt + output (default: the model's max_position_embeddings, capped at 8192)",
+        parse=positive_int)
+    max_num_batched_tokens: int = arg(2048, "tokens per engine step (prefill chunks + decodes)", parse=positive_int)
+    max_num_seqs: int = arg(64, "requests running at once", parse=positive_int)
+    block_size: int | None = arg(None, "tokens per cache page (default: derived from the KDA state page size)",
+                                 parse=positive_int)
+    kv_cache_memory: int | float | None = arg(
+        None, "KV cache budget: bytes (256M, 8GiB) on CPU, or a fraction of free memory on CUDA (0.9)",
+        parse=kv_memory, metavar="SIZE|FRACTION")
+    enable_prefix_caching: bool = arg(False, "reuse cached prefixes (MLA pages and KDA snapshots)")
+    prefix_match_unit: int | None = arg(None, "tokens per prefix-hash unit (must divide the block size)",
+                                        parse=positive_int)
+    prefix_cache_retention_interval: int | str = arg(
+        0, "KDA snapshot retention: 0 (boundaries only), N tokens, or 'dense'", parse=retention_interval)
+    prefix_cache_selective_retention: bool = arg(False, "keep KDA snapshots only on a second hit (Marconi-style)")
+    prefix_cache_eviction: str = arg("lru", "which cached block is evicted first", choices=("lru", "compute-per-byte"))
+    device: str = arg("cpu", "torch device (cpu, cuda, cuda:1)")
+    dtype: str = arg("auto", "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
+                     choices=("auto", "float32", "float64", "bfloat16"))
+    seed: int = arg(0, "random seed of the sampler (per-request seeds override it)")
+    served_model_name: str | None = arg(
+        None, "name(s) clients use in `model` (default: the model directory's name); the first is the engine's",
+        nargs="+", to_field=_first)
+    skip_tokenizer_init: bool = arg(False, "serve token ids only (no detokenization, no stop strings)")
+    enforce_eager: bool = arg(False, "never replay decode steps from captured CUDA graphs")
+    cuda_graph_max_batch: int = arg(256, "largest decode batch that gets a captured CUDA graph", parse=positive_int)
+    static_decode: bool | None = arg(None, "fixed-shape padded decode steps (default: on CUDA only)")
