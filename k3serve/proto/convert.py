@@ -7,6 +7,9 @@
 * `kv_event_to_proto(ev)` / `kv_event_from_proto(msg)`: a KV event (any object with KVEvent's fields)
   ⇄ `KvEvent`; `kv_batch_to_proto(sequence, snapshot, events, instance_id)`: one batch → one or more
   `KvEventBatch` messages of at most `max_events` events each (numbering as in worker.proto).
+* `kv_transfer_params_to_proto(d)` / `kv_transfer_params_from_proto(msg)`: P/D transfer parameters as a
+  plain dict (vLLM's `kv_transfer_params` names; `remote_block_ids` a list of per-group dicts
+  {group_id, kind, block_ids}) ⇄ `KvTransferParams`; `kv_transfer_result_from_proto(msg)` → dict.
 """
 
 from __future__ import annotations
@@ -150,3 +153,37 @@ def kv_batch_to_proto(sequence: int, snapshot: bool, events: list, instance_id: 
         out.append(pb.KvEventBatch(sequence=seq, snapshot=snapshot, snapshot_complete=snapshot and i == len(chunks) - 1,
                                    events=chunk, instance_id=instance_id))
     return out
+
+
+_KVT_SCALARS = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_request_id", "remote_host",
+                "remote_port", "remote_num_tokens", "remote_blocks_expiry_time", "tp_size", "block_size",
+                "compatibility_hash")
+
+
+def kv_transfer_params_to_proto(d: dict) -> pb.KvTransferParams:
+    """`d`: any subset of KvTransferParams' fields (unknown keys are an error, so a typo cannot pass silently)."""
+    unknown = set(d) - set(_KVT_SCALARS) - {"remote_block_ids"}
+    if unknown:
+        raise ValueError(f"kv_transfer_params: unknown field(s) {sorted(unknown)}")
+    msg = pb.KvTransferParams()
+    for name in _KVT_SCALARS:
+        value = d.get(name)
+        if value is not None:
+            setattr(msg, name, value)
+    for g in d.get("remote_block_ids") or []:
+        msg.remote_block_ids.add(group_id=int(g["group_id"]), kind=str(g["kind"]),
+                                 block_ids=[int(b) for b in g["block_ids"]])
+    return msg
+
+
+def kv_transfer_params_from_proto(msg: pb.KvTransferParams) -> dict:
+    d = {name: getattr(msg, name) for name in _KVT_SCALARS}
+    d["compatibility_hash"] = bytes(d["compatibility_hash"])
+    d["remote_block_ids"] = [dict(group_id=g.group_id, kind=g.kind, block_ids=list(g.block_ids))
+                             for g in msg.remote_block_ids]
+    return d
+
+
+def kv_transfer_result_from_proto(msg: pb.KvTransferResult) -> dict:
+    return dict(outcome=msg.outcome, reason=msg.reason, pulled_tokens=msg.pulled_tokens,
+                local_cached_tokens=msg.local_cached_tokens, bytes=msg.bytes)

@@ -59,6 +59,11 @@ class WorkerStub:
                 request_serializer=k3serve_dot_proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
                 response_deserializer=k3serve_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.GetTransferMetadata = channel.unary_unary(
+                '/k3serve.worker.v1.Worker/GetTransferMetadata',
+                request_serializer=k3serve_dot_proto_dot_worker__pb2.TransferMetadataRequest.SerializeToString,
+                response_deserializer=k3serve_dot_proto_dot_worker__pb2.TransferMetadataResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -94,6 +99,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTransferMetadata(self, request, context):
+        """P/D disaggregation: a decode worker asks a prefill worker for its NIXL agent metadata and page
+        geometry (once per peer, cached; again when the peer's engine_id changes). docs/serving.md "P/D".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +134,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SubscribeKvEvents,
                     request_deserializer=k3serve_dot_proto_dot_worker__pb2.KvEventsRequest.FromString,
                     response_serializer=k3serve_dot_proto_dot_worker__pb2.KvEventBatch.SerializeToString,
+            ),
+            'GetTransferMetadata': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTransferMetadata,
+                    request_deserializer=k3serve_dot_proto_dot_worker__pb2.TransferMetadataRequest.FromString,
+                    response_serializer=k3serve_dot_proto_dot_worker__pb2.TransferMetadataResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +276,33 @@ class Worker:
             '/k3serve.worker.v1.Worker/SubscribeKvEvents',
             k3serve_dot_proto_dot_worker__pb2.KvEventsRequest.SerializeToString,
             k3serve_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTransferMetadata(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3serve.worker.v1.Worker/GetTransferMetadata',
+            k3serve_dot_proto_dot_worker__pb2.TransferMetadataRequest.SerializeToString,
+            k3serve_dot_proto_dot_worker__pb2.TransferMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
