@@ -116,6 +116,10 @@ async def _serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     problem = unsupported_layout(args)
+    if not problem:  # a --model URI is fetched into $K3SERVE_HOME; K3SERVE_SERVED_MODEL_NAME names it
+        from k3serve.workers.model.acquire import prepare_worker_model
+
+        problem = prepare_worker_model(args)
     if problem:
         print(f"k3serve worker: {problem}", flush=True)
         return 2
