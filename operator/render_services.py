@@ -161,17 +161,10 @@ def router_rbac(ctx: Context, name: str) -> list[dict]:
 
 
 def kvstore_args() -> list[str]:
-    return [
-        "--rpc_address=$(K3SERVE_POD_IP)",
-        f"--rpc_port={n.STORE_RPC_PORT}",
-        "--enable_http_metadata_server=false",
-        "--metrics_host=$(K3SERVE_POD_IP)",
-        f"--metrics_port={n.METRICS_PORT}",
-        "--eviction_high_watermark_ratio=0.9",
-        "--eviction_ratio=0.1",
-        "--default_kv_lease_ttl=5000",
-        "--logtostderr",
-    ]
+    """The master's flags from their one definition (k3serve/kvstore/master.py), on the pod IP."""
+    from k3serve.kvstore.master import master_args
+
+    return master_args("$(K3SERVE_POD_IP)", n.STORE_RPC_PORT, "$(K3SERVE_POD_IP)", n.METRICS_PORT)
 
 
 def render_kvstore(ctx: Context) -> list[dict]:
