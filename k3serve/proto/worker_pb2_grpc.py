@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=k3serve_dot_proto_dot_worker__pb2.TransferMetadataRequest.SerializeToString,
                 response_deserializer=k3serve_dot_proto_dot_worker__pb2.TransferMetadataResponse.FromString,
                 _registered_method=True)
+        self.StoreLookup = channel.unary_unary(
+                '/k3serve.worker.v1.Worker/StoreLookup',
+                request_serializer=k3serve_dot_proto_dot_worker__pb2.StoreLookupRequest.SerializeToString,
+                response_deserializer=k3serve_dot_proto_dot_worker__pb2.StoreLookupResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -107,6 +112,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StoreLookup(self, request, context):
+        """Mooncake store tier: how many tokens of this prompt the shared store can supply (the joint usable
+        hit: MLA pages up to a KDA snapshot present in every group), so the router never runs a store
+        client itself. Answered within the worker's store deadline; never an error status for a store
+        fault (see StoreLookupResponse.status). docs/kvstore.md.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +154,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetTransferMetadata,
                     request_deserializer=k3serve_dot_proto_dot_worker__pb2.TransferMetadataRequest.FromString,
                     response_serializer=k3serve_dot_proto_dot_worker__pb2.TransferMetadataResponse.SerializeToString,
+            ),
+            'StoreLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreLookup,
+                    request_deserializer=k3serve_dot_proto_dot_worker__pb2.StoreLookupRequest.FromString,
+                    response_serializer=k3serve_dot_proto_dot_worker__pb2.StoreLookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +323,33 @@ class Worker:
             '/k3serve.worker.v1.Worker/GetTransferMetadata',
             k3serve_dot_proto_dot_worker__pb2.TransferMetadataRequest.SerializeToString,
             k3serve_dot_proto_dot_worker__pb2.TransferMetadataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/k3serve.worker.v1.Worker/StoreLookup',
+            k3serve_dot_proto_dot_worker__pb2.StoreLookupRequest.SerializeToString,
+            k3serve_dot_proto_dot_worker__pb2.StoreLookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
