@@ -30,7 +30,12 @@ from k3serve.proto.convert import (
     sampling_kwargs_from_proto,
 )
 from k3serve.sampling_params import SamplingParams, SamplingParamsError
-from k3serve.workers.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError
+from k3serve.workers.async_engine import (
+    AsyncEngine,
+    DuplicateRequestError,
+    EngineDeadError,
+    RequestFailedError,
+)
 from k3serve.workers.kv_events import DEFAULT_MAX_QUEUED_BATCHES, KvEventHub, SubscriberTooSlow
 
 log = logging.getLogger(__name__)
@@ -76,7 +81,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 yield pb.GenerateResponse(request_id=request.request_id, outputs=deltas_to_proto(deltas),
                                           prompt_tokens=tracker.prompt_tokens,
                                           cached_tokens=tracker.cached_tokens, finished=out.finished)
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestFailedError) as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
             stream.abort()

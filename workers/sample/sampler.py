@@ -89,7 +89,8 @@ class Sampler:
         min_p = [st.params.min_p for st in states]
         if any(p > 0.0 for p in min_p):
             x = apply_min_p(x, torch.tensor(min_p, dtype=dt))
-        top_k = [st.params.top_k for st in states]
+        # k >= V keeps every token; clamp before the int64 tensor (a huge k must not overflow it)
+        top_k = [min(st.params.top_k, x.shape[1]) for st in states]
         top_p = [st.params.top_p for st in states]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             x = apply_top_k_top_p(x, torch.tensor(top_k, dtype=torch.long), torch.tensor(top_p, dtype=dt))
