@@ -3,6 +3,7 @@
 k3serve operator run [-A | -n NS ...] [--liveness URL] [--metrics-host H --metrics-port P]
 k3serve operator render -f CR.yaml [-n NS] [--lws] [--no-podmonitor]   # like `helm template`
 k3serve operator generate [--check]                                  # CRD, dashboards, RBAC files
+k3serve operator simulate -f CR.yaml [--prometheus]                  # the rendered pods as local processes
 """
 
 from __future__ import annotations
@@ -50,12 +51,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     render.add_argument("--cluster-domain", default="cluster.local")
     render.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
 
+    from k3serve.operator import simulate
+
+    simulate.configure(sub.add_parser("simulate", help="run the pods a CR renders as local processes (no cluster)"))
+
     gen = sub.add_parser("generate", help="write the generated CRD, dashboards and RBAC files into the repo")
     gen.add_argument("--root", default="", help="repository root (default: the checkout this module is in)")
     gen.add_argument("--check", action="store_true", help="only report files that differ (exit 1 if any)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "simulate":
+        from k3serve.operator import simulate
+
+        return simulate.run(args)
     return {"run": _run, "render": _render, "generate": _generate}[args.action](args)
 
 
@@ -74,7 +83,11 @@ def _run(args: argparse.Namespace) -> int:
     if not args.verbose:
         handlers.quiet_timer_logs()
     if args.metrics_port:
-        handlers.METRICS.serve(args.metrics_host, args.metrics_port)
+        from k3serve.common.ports import exit_on_bind_error
+
+        with exit_on_bind_error(args.metrics_host, args.metrics_port, flag="--metrics-port",
+                                prog="k3serve operator"):
+            handlers.METRICS.serve(args.metrics_host, args.metrics_port)
     kopf.run(
         standalone=True,
         clusterwide=args.all_namespaces or not args.namespace,

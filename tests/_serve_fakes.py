@@ -77,10 +77,11 @@ class FakeEngine:
     """Scripted stand-in for LLMEngine (same contract): each sequence emits the ids of
     `script(prompt_ids, params, seq_index)` one per step (then EOS when the script runs out), with the
     real IncrementalDetokenizer and the engine's finish rules (EOS, stop ids/strings, max_tokens,
-    max_model_len). `step_delay` slows steps; `fail_on_step=k` makes the k-th step raise."""
+    max_model_len). `step_delay` slows steps; `fail_on_step=k` makes the k-th step and every later one raise;
+    `fail_if(params_list)` makes a step raise while it returns True for the running requests' params."""
 
     def __init__(self, tokenizer: K3Tokenizer, *, script=None, max_model_len: int = 512, step_delay: float = 0.0,
-                 fail_on_step: int | None = None, cached_tokens: int = 0):
+                 fail_on_step: int | None = None, cached_tokens: int = 0, fail_if=None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_config = SimpleNamespace(vocab_size=tokenizer.vocab_size)
@@ -88,6 +89,7 @@ class FakeEngine:
         self.script = script or (lambda prompt, params, i: tokenizer.encode(f"Hello from sequence {i}."))
         self.step_delay = step_delay
         self.fail_on_step = fail_on_step
+        self.fail_if = fail_if
         self.cached_tokens = cached_tokens
         self.added: list[tuple] = []
         self.aborted: list[str] = []
@@ -143,6 +145,8 @@ class FakeEngine:
         self.steps += 1
         if self.fail_on_step is not None and self.steps >= self.fail_on_step:
             raise RuntimeError("simulated engine failure")
+        if self.fail_if is not None and self.fail_if([r.params for r in self.reqs.values()]):
+            raise OverflowError("simulated poisoned request")
         outs, self._pending = self._pending, []
         for rid, r in list(self.reqs.items()):
             p = r.params

@@ -86,8 +86,17 @@ def test_effort_notice(tok, doc, effort):
     assert r.token_ids == doc.notice("thinking-effort", body) + doc.msg([("role", "user")], doc.t("x")) + doc.gen()
 
 
+@pytest.mark.parametrize("openai_effort, k3_effort", [("minimal", "low"), ("medium", None), ("xhigh", "max")])
+def test_openai_reasoning_efforts_map_onto_k3s(tok, openai_effort, k3_effort):
+    """OpenAI's values are accepted: `medium` (OpenAI's default) renders exactly as no effort at all."""
+    msgs = [{"role": "user", "content": "x"}]
+    r = render_chat(tok, msgs, reasoning_effort=openai_effort)
+    want = render_chat(tok, msgs, reasoning_effort=k3_effort)
+    assert r.thinking and r.thinking_effort == k3_effort and r.token_ids == want.token_ids
+
+
 @pytest.mark.parametrize("kwargs, match", [
-    ({"reasoning_effort": "medium"}, "reasoning_effort"),
+    ({"reasoning_effort": "maximal"}, "reasoning_effort"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"thinking": True, "enable_thinking": False}, "disagree"),
     ({"thinking": "yes"}, "boolean"),

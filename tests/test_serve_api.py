@@ -371,9 +371,11 @@ def test_engine_failure_is_loud(env):
     aeng, srv = _serve(engine)
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=20)
-        with pytest.raises(openai.InternalServerError) as ei:
-            client.completions.create(model=MODEL, prompt="boom", max_tokens=10)
-        assert "simulated engine failure" in ei.value.body["message"]
+        for i in range(4):  # three failed steps are contained (the request fails alone), the fourth is fatal
+            with pytest.raises(openai.InternalServerError) as ei:
+                client.completions.create(model=MODEL, prompt="boom", max_tokens=10)
+            assert "simulated engine failure" in ei.value.body["message"]
+            assert httpx.get(srv.url + "/health").status_code == (200 if i < 3 else 503)
         h = httpx.get(srv.url + "/health")
         assert h.status_code == 503 and "simulated engine failure" in h.json()["error"]["message"]
         with pytest.raises(openai.InternalServerError):  # later requests fail at once, no hang

@@ -11,7 +11,13 @@ from prometheus_client import CollectorRegistry
 from k3serve.openai_api.deltas import DeltaTracker
 from k3serve.outputs import CompletionOutput, Logprob, RequestOutput
 from k3serve.sampling_params import SamplingParams
-from k3serve.workers.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError, new_request_id
+from k3serve.workers.async_engine import (
+    AsyncEngine,
+    DuplicateRequestError,
+    EngineDeadError,
+    RequestFailedError,
+    new_request_id,
+)
 from k3serve.workers.metrics import EngineMetrics
 
 M = "m"
@@ -160,19 +166,55 @@ def test_abort_before_first_output_ends_stream_with_all_sequences(tok):
         aeng.shutdown()
 
 
-def test_engine_failure_fails_streams_and_later_calls(tok):
-    engine = fakes.FakeEngine(tok, script=lambda p, params, i: itertools.cycle([7]), fail_on_step=3)
-    aeng, _ = make(engine)
+def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(tok):
+    """A step that raises (here: while a request with top_k=13 runs) fails the requests of that step with
+    RequestFailedError and aborts them in the engine; the engine stays healthy and serves the next one."""
+    engine = fakes.FakeEngine(tok, script=lambda p, params, i: itertools.cycle([7]),
+                              fail_if=lambda params: any(p.top_k == 13 for p in params))
+    fatal = []
+    aeng = AsyncEngine(engine, model_name=M, idle_wait_s=0.02, on_fatal=lambda: fatal.append(1))
+    aeng.start()
     try:
         async def go():
+            with pytest.raises(RequestFailedError, match="simulated poisoned request"):
+                async for _ in aeng.generate("bad", [1], SamplingParams(max_tokens=5, top_k=13)):
+                    pass
+            for i in range(5):  # containment never runs out while good steps happen in between
+                with pytest.raises(RequestFailedError):
+                    async for _ in aeng.generate(f"bad{i}", [1], SamplingParams(max_tokens=5, top_k=13)):
+                        pass
+                outs = [o async for o in aeng.generate(f"good{i}", [1], SamplingParams(max_tokens=3, ignore_eos=True))]
+                assert outs[-1].finished and outs[-1].outputs[0].token_ids == [7, 7, 7]
+
+        run(go())
+        assert aeng.is_healthy() and aeng.error is None and not fatal
+        assert aeng.num_contained_failures == 6 and "bad" in engine.aborted and not engine.reqs
+    finally:
+        aeng.shutdown()
+
+
+def test_an_engine_that_keeps_failing_is_fatal(tok):
+    """Every step raising: after max_consecutive_step_failures contained failures the engine thread ends,
+    streams and later calls get EngineDeadError, /health turns false and on_fatal runs once."""
+    engine = fakes.FakeEngine(tok, script=lambda p, params, i: itertools.cycle([7]), fail_on_step=1)
+    fatal = []
+    aeng = AsyncEngine(engine, model_name=M, idle_wait_s=0.02, on_fatal=lambda: fatal.append(1),
+                       max_consecutive_step_failures=2)
+    aeng.start()
+    try:
+        async def go():
+            for i in range(2):
+                with pytest.raises(RequestFailedError, match="simulated engine failure"):
+                    async for _ in aeng.generate(f"x{i}", [1], SamplingParams(max_tokens=100, ignore_eos=True)):
+                        pass
             with pytest.raises(EngineDeadError, match="simulated engine failure"):
-                async for _ in aeng.generate("x", [1], SamplingParams(max_tokens=100, ignore_eos=True)):
+                async for _ in aeng.generate("x2", [1], SamplingParams(max_tokens=100, ignore_eos=True)):
                     pass
             with pytest.raises(EngineDeadError):
                 await aeng.add_request("y", [1], SamplingParams())
 
         run(go())
-        assert not aeng.is_healthy() and isinstance(aeng.error, RuntimeError)
+        assert not aeng.is_healthy() and isinstance(aeng.error, RuntimeError) and fatal == [1]
     finally:
         aeng.shutdown()
 

@@ -186,9 +186,10 @@ def test_health_and_load(worker, loop):
 def test_dead_engine(loop, tok):
     w = Worker(loop, fakes.FakeEngine(tok, max_model_len=64, fail_on_step=1))
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            w.generate(req("d1", [1], max_tokens=3))
-        assert ei.value.code() == grpc.StatusCode.INTERNAL and "simulated engine failure" in ei.value.details()
+        for i in range(4):  # three failed steps are contained (the request fails alone), the fourth is fatal
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                w.generate(req(f"d1-{i}", [1], max_tokens=3))
+            assert ei.value.code() == grpc.StatusCode.INTERNAL and "simulated engine failure" in ei.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             w.generate(req("d2", [1], max_tokens=3))
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -16,9 +16,14 @@ Contract:
   client disconnect) aborts the request in the engine.
 * Request ids must be unique among in-flight requests (`new_request_id()` makes uuid-based ones);
   a duplicate raises DuplicateRequestError (a ValueError).
-* If the engine thread dies (an exception from `step()`), every in-flight stream raises
-  `EngineDeadError` (with the cause in its message), later calls raise it at once, and
-  `is_healthy()` turns False. Nothing waits forever.
+* Failure containment. An exception from `step()` is contained when it can be: the requests in
+  flight (the failed step's batch) are aborted in the engine and their streams raise
+  `RequestFailedError` (with the cause in its message); the engine keeps serving new requests. It
+  cannot be contained when aborting them fails, when the engine still holds requests afterwards, or
+  after `max_consecutive_step_failures` failed steps in a row: then the engine thread ends, every
+  in-flight stream raises `EngineDeadError`, later calls raise it at once, `is_healthy()` turns False,
+  and `on_fatal()` runs (the servers pass one that stops the process with a non-zero exit status, so
+  its supervisor restarts it instead of keeping a live process that cannot serve). Nothing waits forever.
 * Other code that must touch the engine runs on the engine thread between steps:
   `await run_on_engine_thread(fn)` returns `fn(engine)` (or raises what it raised);
   `call_soon_on_engine_thread(fn)` is the fire-and-forget form (dropped if the engine is not running).
@@ -48,6 +53,10 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread is not running (it failed, or the engine was shut down)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while this request was in its batch; the request was aborted, the engine lives on."""
 
 
 class DuplicateRequestError(ValueError):
@@ -157,8 +166,13 @@ class AsyncEngine:
     """Runs `engine` (LLMEngine contract) on a background thread; see the module docstring."""
 
     def __init__(self, engine, *, model_name: str, metrics=None, idle_wait_s: float = 0.25,
-                 stats_interval_s: float = 0.05, clock=time.monotonic):
+                 stats_interval_s: float = 0.05, clock=time.monotonic, on_fatal: Callable[[], None] | None = None,
+                 max_consecutive_step_failures: int = 3):
         self.engine = engine
+        self._on_fatal = on_fatal
+        self._max_step_failures = max_consecutive_step_failures
+        self._step_failures = 0  # consecutive (engine thread only)
+        self.num_contained_failures = 0
         self.model_name = model_name
         self.metrics = metrics
         self._idle_wait_s = idle_wait_s
@@ -321,7 +335,11 @@ class AsyncEngine:
                     break
                 self._run_hooks()
                 if self.engine.has_unfinished_requests():
-                    self._step()
+                    try:
+                        self._step()
+                        self._step_failures = 0
+                    except Exception as e:  # noqa: BLE001 - contained below, or re-raised as fatal
+                        self._contain(e)
                 # Gauges need no per-step precision: refresh at most every stats_interval_s while busy,
                 # and always once idle (so they settle at the final state).
                 now = self._clock()
@@ -336,7 +354,37 @@ class AsyncEngine:
             for _after, on_stop in self._hooks:
                 if on_stop is not None:
                     self._call_hook(on_stop, exc)
+            if self._error is not None and self._on_fatal is not None:
+                self._call_hook(self._on_fatal)
             self._fail_all(exc)
+
+    def _contain(self, exc: Exception) -> None:
+        """A failed step: fail the requests in flight alone and keep the engine, or re-raise (fatal)."""
+        self._step_failures += 1
+        if self._step_failures > self._max_step_failures:
+            log.error("engine step failed %d times in a row; giving up", self._step_failures)
+            raise exc
+        rids = list(self._accepted)
+        log.error("engine step failed; failing the %d request(s) in flight: %s", len(rids), rids[:8],
+                  exc_info=exc)
+        err = RequestFailedError(f"the engine failed while serving this request: {type(exc).__name__}: {exc}")
+        try:
+            self.engine.abort_request(rids)
+        except Exception as abort_exc:  # noqa: BLE001 - the engine cannot be trusted any more
+            log.error("aborting the failed step's requests failed too", exc_info=abort_exc)
+            raise exc from abort_exc
+        for rid in rids:
+            self._accepted.pop(rid, None)
+            if self.metrics is not None:
+                self.metrics.on_abort(rid, self._clock())
+            with self._lock:
+                stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._push(err)
+        if self.engine.has_unfinished_requests():
+            log.error("the engine still holds requests after the failed step's were aborted")
+            raise exc
+        self.num_contained_failures += 1
 
     def _run_hooks(self) -> None:
         for after_work, _on_stop in self._hooks:

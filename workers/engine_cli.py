@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import socket
 import threading
 from dataclasses import dataclass
 
+from k3serve.common.ports import bind_socket  # noqa: F401 - re-exported (tests, ThreadServer)
 from k3serve.workers.engine.api import positive_int
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -167,24 +169,21 @@ def start_engine(args: argparse.Namespace, model: str) -> ServedEngine:
     names = list(args.served_model_name or [engine.served_model_name])
     registry = prometheus_client.CollectorRegistry()
     metrics = EngineMetrics(registry, names[0])
-    aeng = AsyncEngine(engine, model_name=names[0], metrics=metrics)
+    aeng = AsyncEngine(engine, model_name=names[0], metrics=metrics, on_fatal=stop_process)
     aeng.start()
     return ServedEngine(aeng, registry, names)
+
+
+def stop_process() -> None:
+    """The engine failed beyond containment: SIGTERM this process, whose server shuts down and, seeing the
+    engine's error, exits 1 (so a supervisor restarts it). Called from the engine thread."""
+    logging.getLogger("k3serve").critical("the engine cannot serve any more; stopping the process")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on (host, port); port 0 picks a free port (read it from getsockname)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
 
 
 def run_uvicorn(app, sock: socket.socket, *, log_level: str, on_ready=None) -> None:

@@ -1,15 +1,19 @@
 """`k3serve serve MODEL_DIR`: one-process OpenAI-compatible server (engine + HTTP in one process).
 
 Prints `k3serve serve: listening on http://HOST:PORT` (with the real port when `--port 0`) once it
-accepts connections. `--api-key-file PATH` turns on Bearer auth for /v1/* (the key is never logged).
+accepts connections; a port that cannot be bound is one line naming it and `--port`, exit 2
+(k3serve/common/ports.py). If the engine fails beyond containment (workers/async_engine.py) the server
+stops and exits 1. `--api-key-file PATH` turns on Bearer auth for /v1/* (the key is never logged).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
-from k3serve.workers.engine_cli import add_engine_args, bind_socket, run_uvicorn, setup_logging, start_engine
+from k3serve.common.ports import bind_or_exit
+from k3serve.workers.engine_cli import add_engine_args, run_uvicorn, setup_logging, start_engine
 
 log = logging.getLogger("k3serve.serve")
 
@@ -28,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     api_key = read_api_key_file(args.api_key_file) if args.api_key_file else None
-    sock = bind_socket(args.host, args.port)
+    sock = bind_or_exit(args.host, args.port, flag="--port", prog="k3serve serve")  # before the engine loads
     served = start_engine(args, args.model)
     app = build_app(served.async_engine, served_model_names=served.model_names, registry=served.registry,
                     api_key=api_key)
@@ -42,4 +46,7 @@ def run(args: argparse.Namespace) -> int:
         run_uvicorn(app, sock, log_level=args.log_level, on_ready=ready)
     finally:
         served.async_engine.shutdown()
+    if served.async_engine.error is not None:  # stopped because the engine failed (engine_cli.stop_process)
+        print(f"k3serve serve: the engine failed: {served.async_engine.error}", file=sys.stderr, flush=True)
+        return 1
     return 0

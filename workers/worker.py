@@ -14,9 +14,11 @@ import asyncio
 import logging
 import signal
 
-from k3serve.workers.engine_cli import add_engine_args, bind_socket, setup_logging, start_engine
+from k3serve.common.ports import bind_or_exit, check_port_free, exit_on_bind_error
+from k3serve.workers.engine_cli import add_engine_args, setup_logging, start_engine
 
 log = logging.getLogger("k3serve.worker")
+PROG = "k3serve worker"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,16 +71,20 @@ def build_metrics_app(engine, registry):
     return app
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, msock) -> int:
     import uvicorn
 
     from k3serve.workers.grpc_service import start_grpc_server
 
-    msock = bind_socket(args.host, args.metrics_port)
     served = await asyncio.to_thread(start_engine, args, args.model)
     engine = served.async_engine
-    grpc_server = await start_grpc_server(engine, host=args.host, port=args.grpc_port, role=args.role,
-                                          model_name=served.model_names[0])
+    try:
+        with exit_on_bind_error(args.host, args.grpc_port, flag="--grpc-port", prog=PROG):
+            grpc_server = await start_grpc_server(engine, host=args.host, port=args.grpc_port, role=args.role,
+                                                  model_name=served.model_names[0])
+    except BaseException:
+        engine.shutdown()
+        raise
 
     class _Server(uvicorn.Server):
         def capture_signals(self):  # the worker handles signals itself
@@ -110,6 +116,9 @@ async def _serve(args: argparse.Namespace) -> int:
         await grpc_server.stop(2.0)
         await asyncio.wait({http_task}, timeout=5)
         engine.shutdown()
+    if engine.error is not None:  # stopped because the engine failed (engine_cli.stop_process)
+        print(f"k3serve worker: the engine failed: {engine.error}", flush=True)
+        return 1
     return 0
 
 
@@ -126,4 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_store:
         print(f"k3serve worker: note: --kv-store {args.kv_store} given, but the Mooncake store connector is "
               "not available yet; serving from the local prefix cache only", flush=True)
-    return asyncio.run(_serve(args))
+    # both ports are checked before the engine loads (minutes for a real checkpoint)
+    msock = bind_or_exit(args.host, args.metrics_port, flag="--metrics-port", prog=PROG)
+    check_port_free(args.host, args.grpc_port, flag="--grpc-port", prog=PROG)
+    return asyncio.run(_serve(args, msock))

@@ -28,6 +28,8 @@ from k3serve.chat.xtml import (
 )
 
 THINKING_EFFORTS = ("low", "high", "max")
+# OpenAI's reasoning_effort values onto K3's: "medium" (OpenAI's default) is K3's default (no effort marker)
+OPENAI_EFFORTS = {"minimal": "low", "medium": None, "xhigh": "max"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = ("text", "input_text")
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")
@@ -109,7 +111,8 @@ def resolve_thinking(thinking: bool | None, enable_thinking: bool | None,
 
     ``enable_thinking`` is an alias of ``thinking`` (both given and different -> error);
     ``reasoning_effort="none"`` turns thinking off; ``low``/``high``/``max`` set the effort (only in
-    effect while thinking is on); anything else is a ``ValueError``.
+    effect while thinking is on); OpenAI's other values map onto these (`OPENAI_EFFORTS`: ``minimal`` ->
+    ``low``, ``medium`` -> the default, ``xhigh`` -> ``max``); anything else is a ``ValueError``.
     """
     for name, v in (("thinking", thinking), ("enable_thinking", enable_thinking)):
         if v is not None and not isinstance(v, bool):
@@ -118,13 +121,17 @@ def resolve_thinking(thinking: bool | None, enable_thinking: bool | None,
         raise ValueError("thinking and enable_thinking disagree; pass only one of them")
     on = thinking if thinking is not None else enable_thinking
     effort = None
+    if isinstance(reasoning_effort, str) and reasoning_effort in OPENAI_EFFORTS:
+        reasoning_effort = OPENAI_EFFORTS[reasoning_effort]
+        if reasoning_effort is None:  # OpenAI's default level: the model's own default
+            return (True if on is None else on), None
     if reasoning_effort is not None:
         if reasoning_effort == "none":
             on = False
         elif reasoning_effort in THINKING_EFFORTS:
             effort = reasoning_effort
         else:
-            raise ValueError(f"reasoning_effort must be one of {['none', *THINKING_EFFORTS]}, "
+            raise ValueError(f"reasoning_effort must be one of {['none', *THINKING_EFFORTS, *OPENAI_EFFORTS]}, "
                              f"got {reasoning_effort!r}")
     on = True if on is None else on
     return on, (effort if on else None)

@@ -1,7 +1,10 @@
 """FastAPI/Starlette glue for OpenAI-style errors and bearer-token auth (shared by serve, worker, router).
 
-* `install_error_handlers(app)`: ProtocolError → its status + body; unknown routes/methods and
-  FastAPI validation errors → OpenAI-style bodies; any other exception → 500 with its message.
+* `install_error_handlers(app)`: ProtocolError → its status + body; unknown routes (404) and wrong
+  methods (405) and FastAPI validation errors → OpenAI-style `invalid_request_error` bodies; any other
+  exception (including a Rust panic from a native library) → a 500 JSON body with its message, logged
+  once, on a connection that stays usable (keep-alive), and a client that disconnects before its body
+  was read → one log line, no traceback.
 * `ApiKeyMiddleware(app, api_key, prefixes=("/v1",))`: pure-ASGI bearer check (does not buffer
   streaming responses); the key is compared in constant time and never logged.
 * `read_api_key_file(path)`: the key from a file (surrounding whitespace stripped).
@@ -9,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 
@@ -16,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from k3serve.openai_api.protocol import ProtocolError, error_body
 
@@ -42,11 +47,46 @@ def install_error_handlers(app: FastAPI) -> None:
         msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errs[:3])
         return JSONResponse(error_body(msg or "invalid request"), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def _internal(_request, exc: Exception):
-        log.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", status_code=500),
-                            status_code=500)
+    app.add_middleware(CatchAllMiddleware)
+
+
+_NOT_CAUGHT = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+class CatchAllMiddleware:
+    """Pure-ASGI last line of defence (inside Starlette's ServerErrorMiddleware, which would re-raise to
+    the server and make it drop the keep-alive connection): an exception that escaped every handler
+    becomes a 500 JSON body if the response has not started; a client that went away while its body was
+    read is logged in one line."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except ClientDisconnect:
+            log.info("client disconnected before its request body was read: %s %s", scope.get("method"),
+                     scope.get("path"))
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - includes pyo3 PanicException (a BaseException)
+            if started:  # too late for an error body: the server closes the connection
+                raise
+            log.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            body = error_body(f"internal error: {type(exc).__name__}: {exc}", status_code=500)
+            await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
 def read_api_key_file(path: str) -> str:

@@ -21,7 +21,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -32,6 +32,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -106,7 +107,36 @@ def validation_error_to_protocol(exc: ValidationError) -> ProtocolError:
 # request models
 
 class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    # no NaN/Infinity literals: every float field has a finite range
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True, allow_inf_nan=False)
+
+
+INT64_MAX = 2**63 - 1  # every integer field is bounded by it (the engine and sampler hold them in int64)
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
+MAX_JSON_DEPTH = 64  # nesting of `tool_calls[].function.arguments` (parsed by the chat renderer)
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of [ and { in JSON-ish `text`, ignoring brackets inside strings (no parsing, no
+    recursion: the bound is checked before anything recursive sees the text)."""
+    depth = deepest = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+    return deepest
 
 
 _JSON_SCHEMA_TYPES = {"string", "number", "integer", "boolean", "null", "object", "array"}
@@ -199,6 +229,13 @@ class ToolCallFunction(_Model):
     name: str
     arguments: str = "{}"
 
+    @field_validator("arguments")
+    @classmethod
+    def _depth(cls, v: str) -> str:
+        if json_depth(v) > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        return v
+
 
 class ToolCall(_Model):
     id: str
@@ -284,17 +321,17 @@ class _GenerationFields(_Model):
     n: int = Field(default=1, ge=1, le=128)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
@@ -315,6 +352,8 @@ class _GenerationFields(_Model):
         items = [v] if isinstance(v, str) else (v or [])
         if any(s == "" for s in items):
             raise ValueError("stop strings must be non-empty")
+        if len(items) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(items)}")
         return v
 
     @field_validator("logit_bias")
@@ -360,7 +399,7 @@ _CHAT_TEMPLATE_KWARGS = {"thinking", "enable_thinking", "reasoning_effort"}
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None
@@ -432,10 +471,10 @@ PromptInput = str | list[int] | list[str] | list[list[int]]
 
 class CompletionRequest(_GenerationFields):
     prompt: Any
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=INT64_MAX)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=128)
     suffix: str | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -2,7 +2,7 @@
 
     app = build_app(async_engine, served_model_names=["k3"], registry=registry, api_key=None)
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health (200 while the
+Routes: GET /v1/models, GET /v1/models/{id} (404 model_not_found for an unknown id), POST /v1/completions, POST /v1/chat/completions, GET /health (200 while the
 engine thread runs, else 503 with the reason), GET /metrics (Prometheus text from `registry`).
 With `api_key`, /v1/* requires `Authorization: Bearer <api_key>`.
 """
@@ -52,6 +52,11 @@ def build_app(engine: AsyncEngine, *, served_model_names: list[str], registry, a
     @app.get("/v1/models")
     async def models():
         return JSONResponse(P.model_list(ctx.model_names, max_model_len=ctx.max_model_len))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        ctx.check_model(model_id)
+        return JSONResponse(P.model_list([model_id], max_model_len=ctx.max_model_len)["data"][0])
 
     @app.post("/v1/completions")
     async def completions(request: Request):

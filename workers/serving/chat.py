@@ -9,20 +9,18 @@ from k3serve.chat.renderer import render_chat
 from k3serve.openai_api import protocol as P
 from k3serve.openai_api.chat_output import ChatOutputBuilder
 from k3serve.openai_api.deltas import DeltaTracker
-from k3serve.workers.serving.context import ServingContext, respond
+from k3serve.workers.serving.context import ServingContext, respond, tokenize_guarded
 
 
 def render_request(tokenizer, req: P.ChatCompletionRequest):
-    """The request's prompt (RenderedPrompt); renderer rejections become 400s."""
-    try:
-        return render_chat(tokenizer, req.plain_messages(), **req.render_kwargs())
-    except ValueError as e:
-        raise P.ProtocolError(str(e)) from None
+    """The request's prompt (RenderedPrompt); renderer and tokenizer rejections become 400s."""
+    return tokenize_guarded(lambda: render_chat(tokenizer, req.plain_messages(), **req.render_kwargs()), "messages")
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest, await request.body())
     ctx.check_model(req.model)
+    ctx.check_text_fits(sum(len(m.text() or "") for m in req.messages), "messages")
     rendered = render_request(ctx.tokenizer, req)
     ids = rendered.token_ids
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -20,8 +20,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     items, echo_texts, prompt_lens = [], [], []
     rid = P.new_id("cmpl")
     for i, prompt in enumerate(req.prompts()):
-        ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         param = "prompt" if len(req.prompts()) == 1 else f"prompt.{i}"
+        ids = ctx.encode(prompt, param) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise P.ProtocolError(f"{param}: the prompt is empty", param=param)
         ctx.check_token_ids(ids, param)

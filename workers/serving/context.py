@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, Response
@@ -19,7 +21,28 @@ from k3serve.openai_api import protocol as P
 from k3serve.openai_api.logprobs import TokenText
 from k3serve.openai_api.validate import check_params_token_ids, check_token_ids
 from k3serve.sampling_params import SamplingParams, SamplingParamsError
-from k3serve.workers.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from k3serve.workers.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+
+log = logging.getLogger(__name__)
+_NOT_CAUGHT = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def tokenize_guarded(fn: Callable, param: str | None):
+    """`fn()` (a tokenizer call); a failure inside the native tokenizer (tiktoken's regex gives up on
+    ~1M-character whitespace runs with a Rust panic, a BaseException) becomes a 400 naming `param`."""
+    try:
+        return fn()
+    except _NOT_CAUGHT:
+        raise
+    except P.ProtocolError:
+        raise
+    except ValueError as e:
+        raise P.ProtocolError(str(e), param=param) from None
+    except BaseException as e:  # noqa: BLE001 - pyo3's PanicException derives from BaseException
+        log.info("tokenizer failed on %s: %s: %s", param, type(e).__name__, str(e)[:200])
+        raise P.ProtocolError(f"{param or 'input'}: the tokenizer cannot split this text (a very long run of "
+                              "one kind of character, such as whitespace); shorten or break it up",
+                              param=param) from None
 
 
 class ClientDisconnected(Exception):
@@ -27,8 +50,10 @@ class ClientDisconnected(Exception):
 
 
 def engine_error(exc: BaseException) -> P.ProtocolError:
-    return P.ProtocolError(f"The engine failed while serving this request: {exc}", status_code=500,
-                           code="engine_error")
+    msg = str(exc)
+    if not msg.startswith("the engine failed while serving this request"):
+        msg = f"the engine failed while serving this request: {msg}"
+    return P.ProtocolError(msg[:1].upper() + msg[1:], status_code=500, code="engine_error")
 
 
 @dataclass
@@ -51,6 +76,29 @@ class ServingContext:
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token in bytes (so a text of C characters has at least C / this many tokens)."""
+        tok = self.tokenizer
+        n = getattr(tok, "num_base_tokens", None)
+        if n is None or not hasattr(tok, "token_bytes"):
+            return 1 << 30  # unknown tokenizer: no early bound
+        return max(1, max(len(tok.token_bytes(i)) for i in range(n)))
+
+    def check_text_fits(self, num_chars: int, param: str) -> None:
+        """A text that cannot fit in the context whatever its tokenization is rejected before tokenizing."""
+        at_least = -(-num_chars // self.max_token_chars)
+        if at_least + 1 > self.max_model_len:
+            raise P.ProtocolError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"at least {at_least} tokens ({num_chars} characters), which leaves no room for a completion. "
+                "Please reduce the length of the prompt.", param=param, code="context_length_exceeded")
+
+    def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of a prompt text: bounded by the context first, tokenizer failures as 400s."""
+        self.check_text_fits(len(text), param)
+        return tokenize_guarded(lambda: self.tokenizer.encode(text), param)
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -121,7 +169,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             i, item = await queue.get()
             if item is end:
                 remaining -= 1
-            elif isinstance(item, EngineDeadError):
+            elif isinstance(item, EngineDeadError | RequestFailedError):
                 raise engine_error(item)
             elif isinstance(item, BaseException):
                 raise item
