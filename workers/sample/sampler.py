@@ -3,6 +3,8 @@
 Pipeline (vLLM v1 order), all on a float32 copy (float64 logits stay float64):
   1. logit_bias added; 2. min_tokens masks stop_token_ids and EOS with -inf;
   3. penalties: repetition (prompt + output), frequency and presence (output);
+  3b. structured outputs: each constrained row's grammar bitmask (constraints.py), so the rows
+      below only see allowed tokens; after sampling, each constrained row's matcher accepts its token;
   4. logprobs, for rows that ask, from THESE logits (after 1-3, before 5-7);
   5. greedy rows (temperature < 1e-5): argmax, ties -> lowest id;
   6. random rows: temperature, min-p, top-k, top-p;
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .constraints import advance_grammars, apply_grammar_masks, constrained_rows
 from .draw import exponential_noise, race_sample
 from .filters import apply_min_p, apply_temperature, apply_top_k_top_p
 from .logprobs import compute_logprobs, gather_logprobs
@@ -61,6 +64,9 @@ class Sampler:
         apply_logit_bias(x, states)
         apply_min_tokens(x, states)
         apply_penalties(x, states)
+        grammar_rows = constrained_rows(states)
+        if grammar_rows:
+            apply_grammar_masks(x, logits, states, grammar_rows)
 
         num_top = [st.params.logprobs for st in states]
         logprobs = compute_logprobs(x) if any(k is not None for k in num_top) else None
@@ -79,7 +85,10 @@ class Sampler:
             token_ids[r_idx] = self._sample_random(x[r_idx], [states[i] for i in r_rows])
 
         out_lp = gather_logprobs(logprobs, token_ids, num_top) if logprobs is not None else None
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=out_lp)
+        ids = token_ids.tolist()
+        if grammar_rows:
+            advance_grammars(states, grammar_rows, ids)
+        return SamplerOutput(token_ids=ids, logprobs=out_lp)
 
     def _sample_random(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Tensor[M] int64 for M non-greedy rows x: Tensor[M, V]."""

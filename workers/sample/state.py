@@ -66,6 +66,9 @@ class SamplingState:
     output_token_ids: list[int]
     generator: torch.Generator | None = None
     eos_token_id: int | None = None
+    # k3serve.workers.structured.matcher.GrammarState of a constrained request (attached when its
+    # grammar is compiled; workers/sample/constraints.py applies and advances it)
+    structured: object | None = None
     prompt_cache: TokenIdCache = field(default_factory=TokenIdCache, init=False, repr=False, compare=False)
     output_cache: TokenIdCache = field(default_factory=TokenIdCache, init=False, repr=False, compare=False)
 

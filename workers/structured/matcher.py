@@ -1,0 +1,71 @@
+"""Per-sequence grammar state: XGrammar's matcher plus what the sampler needs from it.
+
+The sampler (workers/sample/constraints.py) fills one bitmask row per constrained row before
+sampling and calls `accept` with the sampled token after; speculative decoding would fill a row
+per draft position (accepting each draft token in turn) and `rollback` the rejected ones.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+class GrammarState:
+    __slots__ = ("matcher", "num_accepted", "failed")
+
+    def __init__(self, compiled_grammar):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled_grammar)
+        self.num_accepted = 0
+        self.failed = False  # a token the grammar rejected was appended: no longer constrained
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained (not failed, not past the end of turn)."""
+        return not self.failed and not self.matcher.is_terminated()
+
+    def fill(self, bitmask, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        ok = self.matcher.accept_token(int(token_id))
+        if ok:
+            self.num_accepted += 1
+        else:
+            self.failed = True
+            log.error("structured outputs: the grammar rejected sampled token %d; the rest of this sequence "
+                      "is unconstrained", token_id)
+        return ok
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (rejected speculative drafts)."""
+        if num_tokens > 0:
+            self.matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+
+
+def fill_bitmasks(states: list[GrammarState], vocab_size: int):
+    """Tensor[len(states), ceil(V/32)] int32 (CPU): row j = the tokens states[j] allows next."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
+    if len(states) == 1:
+        states[0].fill(bitmask, 0)
+    else:
+        _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
+    return bitmask
+
+
+_BATCH = None
+
+
+def _batch_matcher():
+    global _BATCH
+    if _BATCH is None:
+        import xgrammar as xgr
+
+        _BATCH = xgr.BatchGrammarMatcher(max_threads="auto")
+    return _BATCH
