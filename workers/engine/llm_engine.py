@@ -23,6 +23,7 @@ from k3serve.workers.engine.model_runner import ModelRunner
 from k3serve.workers.engine.request import Request, RequestStatus
 from k3serve.workers.engine.scheduler import Scheduler
 from k3serve.workers.sampler import Sampler, SamplingState
+from k3serve.workers.structured.stage import StructuredStage
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class LLMEngine:
         if args.static_decode is not None and not args.enforce_eager:
             self.runner.static_decode = bool(args.static_decode)
         self.sampler = Sampler(seed=args.seed)
+        self.structured = StructuredStage(lambda: self.tokenizer, cfg.vocab_size)  # workers/structured/stage.py
         self.seqs: dict[str, _Seq] = {}
         self.parents: dict[str, _Parent] = {}
         self._ids = itertools.count()
@@ -192,6 +194,7 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len="
                              f"{self.max_model_len}")
         params.validate()
+        self.structured.check(params)
         n = params.n
         seq_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         self.parents[request_id] = _Parent(request_id, prompt, ids, seq_ids)
@@ -206,7 +209,8 @@ class LLMEngine:
             self.seqs[sid] = _Seq(req, SamplingState.new(p, ids, eos),
                                   self._detokenizer(p),
                                   [] if p.logprobs is not None else None)
-            self.scheduler.add(req)
+            if not self.structured.hold(req, self.seqs[sid].sampling):
+                self.scheduler.add(req)
 
     def _detokenizer(self, p: SamplingParams):
         if self.tokenizer is None:
@@ -237,7 +241,7 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.structured)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
@@ -246,6 +250,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         outputs: list[RequestOutput] = []
+        for req in self.structured.pop_ready(block=not self.scheduler.has_unfinished()):
+            self.scheduler.add(req)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.scheduler.end_step()
