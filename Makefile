@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt scripts/install.sh
 	touch $(STAMP)
 
 run: install
-	$(BIN)/k3serve run-local
+	$(BIN)/k3serve up
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -19,7 +19,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("k3serve.workers.worker", "engine behind the gRPC worker service"),
     "router": ("k3serve.router.main", "OpenAI-compatible gateway and router"),
     "operator": ("k3serve.operator.main", "the Kubernetes operator (run | render)"),
-    "run-local": ("k3serve.local", "start the local platform on the CPU"),
+    "up": ("k3serve.up", "start the platform (workers + router) as local processes"),
+    "run-local": ("k3serve.local", "alias of `k3serve up`"),
+    "bench": ("k3serve.bench", "benchmark an OpenAI-compatible server (vllm bench serve style)"),
 }
 
 
