@@ -4,7 +4,7 @@
 
 Starts the workers (`k3serve worker`), then the router (`k3serve router`) in front of them, every process
 bound to 127.0.0.1, one log file per component in `--log-dir` (default `$K3SERVE_HOME/logs/up-<time>/`).
-Shows each component's progress while it starts, and prints the gateway URL and a curl example only once
+Writes `platform.json` there (pids, addresses, logs). Shows each component's progress while it starts, and prints the gateway URL and a curl example only once
 a real request through the gateway has answered. A busy `--port` is refused with one line (exit 2) before
 anything starts. Ctrl-C (or SIGTERM) stops everything and exits 0. A component that dies during start-up
 ends the whole platform with exit 1 and the tail of its log.
@@ -186,6 +186,16 @@ def _probe(url: str, model: str, api_key: str | None, deadline: float, stopping)
     return f"the gateway did not answer a request: {last}"
 
 
+def _write_state(log_dir: Path, url: str, workers: list[Proc], roles: list[str], router: Proc) -> None:
+    """`platform.json` in the log directory: what runs where (pids, addresses, logs), for scripts and tests."""
+    import json
+
+    state = {"url": url, "router": {"pid": router.popen.pid, "metrics": router.ready.group(2), "log": str(router.log)},
+             "workers": [{"name": w.name, "role": r, "pid": w.popen.pid, "grpc": w.ready.group(1), "log": str(w.log),
+                          "cmd": w.cmd} for w, r in zip(workers, roles)]}
+    (log_dir / "platform.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+
+
 def run(args: argparse.Namespace) -> int:
     from k3serve.common.ports import check_port_free
 
@@ -283,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         if why:
             return 0 if why == "interrupted" else _fail(why, 1)
         url = router.ready.group(1)
+        _write_state(log_dir, url, workers, roles, router)
         api_key = None
         if args.api_key_file:
             with open(args.api_key_file, encoding="utf-8") as f:
