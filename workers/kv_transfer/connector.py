@@ -1,0 +1,402 @@
+"""The NIXL P/D connector (design doc §5): both halves of a `ConnectorKind.TRANSFER` connector.
+
+Prefill side (a request with `kv_transfer_params={"do_remote_decode": True}`, submitted by the gRPC
+layer as the prompt one token short with max_tokens=1): at finish, `request_finished` pins the
+request's pages (delayed free) and returns the transfer parameters; the worker half reports the
+request in `finished_sending` when the decode side's READ notification arrives; the engine frees the
+pages then, or at the expiry.
+
+Decode side (`kv_transfer_params` from the prefill side, `do_remote_prefill: True`): the scheduler
+half offers `remote_num_tokens - aligned` tokens as an async load (the decode side's own prefix hit
+`aligned` trims the pull, §5.2); the worker half handshakes (gRPC, cached per peer), posts one NIXL READ
+over the prepared descriptor lists (views.py), zero-fills what it did not receive (§5.5) and reports
+`finished_recving`; the engine recomputes the last prompt token. Any fault — handshake, post, transfer
+error, timeout, expired pages — is `failed_recving`: the engine recomputes, the request is not lost.
+
+`TransferLedger` (shared by the halves, read by the gRPC layer) records each decode request's outcome
+(KvTransferResult in worker.proto) and feeds the transfer metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from k3serve.common.pd_geometry import PDGeometryError, plan_pd_mapping
+from k3serve.workers.engine.kv_connector.base import (
+    NO_MATCH,
+    BlockIds,
+    ConnectorContext,
+    ConnectorKind,
+    FinishResult,
+    KVConnector,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    LoadSpec,
+    MatchResult,
+)
+from k3serve.workers.kv_transfer.compat import (
+    IncompatiblePeer,
+    compatibility_factors,
+    compatibility_hash,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EXPIRY_S = 120.0
+DEFAULT_TIMEOUT_S = 10.0
+POISON_ENV = "K3SERVE_KV_POISON_FREE_PAGES"  # tests: fill every free page with 0xFF at start
+
+
+def _fingerprint(ctx: ConnectorContext) -> bytes:
+    fp = ctx.model_fingerprint
+    if fp and any(fp):
+        return fp
+    model = ctx.extra_config.get("model_dir")
+    if model:
+        from k3serve.common.block_hash import model_fingerprint
+
+        return model_fingerprint(model)
+    raise ValueError("the NIXL connector needs the model fingerprint (extra_config model_dir)")
+
+
+# -- the ledger: per-request outcomes + metrics -------------------------------------------------
+
+@dataclass
+class Outcome:
+    outcome: str = "recomputed"  # pulled | cached | recomputed
+    reason: str = ""
+    pulled_tokens: int = 0
+    local_cached_tokens: int = 0
+    bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(outcome=self.outcome, reason=self.reason, pulled_tokens=self.pulled_tokens,
+                    local_cached_tokens=self.local_cached_tokens, bytes=self.bytes)
+
+
+class TransferLedger:
+    """Outcomes by request id (written on the engine thread, popped by the gRPC layer) and counters."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.outcomes: dict[str, Outcome] = {}
+        self.metrics = None  # workers/kv_transfer/metrics.py TransferMetrics, attached by the worker
+        self.counts: dict[str, float] = {}
+
+    def _count(self, key: str, n: float = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def record(self, request_id: str, out: Outcome, *, seconds: float | None = None,
+               bytes_by_view: dict | None = None) -> None:
+        with self._lock:
+            self.outcomes[request_id] = out
+            self._count(f"outcome_{out.outcome}")
+            if out.outcome == "recomputed":
+                self._count(f"fallback_{out.reason}")
+            for view, n in (bytes_by_view or {}).items():
+                self._count(f"bytes_{view}", n)
+        if self.metrics is not None:
+            self.metrics.observe(out, seconds, bytes_by_view or {})
+
+    def pop(self, request_id: str) -> dict | None:
+        with self._lock:
+            o = self.outcomes.pop(request_id, None)
+        return o.as_dict() if o else None
+
+
+# -- scheduler half -----------------------------------------------------------------------------
+
+@dataclass
+class PullJob:
+    request_id: str
+    params: dict
+    spec: LoadSpec
+
+
+@dataclass
+class NixlMeta(KVConnectorMetadata):
+    pulls: list[PullJob] = field(default_factory=list)
+
+
+class NixlScheduler(KVConnectorScheduler):
+    kind = ConnectorKind.TRANSFER
+    name = "nixl"
+    stats_prefix = "kv_transfer_"
+
+    def __init__(self, ctx: ConnectorContext, ledger: TransferLedger, factors: dict):
+        super().__init__(ctx)
+        self.ledger = ledger
+        self.factors = factors
+        self.hash = compatibility_hash(factors)
+        cfg = ctx.extra_config
+        self.expiry_s = float(cfg.get("expiry_s", os.environ.get("K3SERVE_KV_TRANSFER_EXPIRY_S", DEFAULT_EXPIRY_S)))
+        self.timeout_s = float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S))
+        self.tp_size = int(cfg.get("tp_size", 1))
+        self._pulls: list[PullJob] = []
+
+    # decode side -------------------------------------------------------------------------------
+    def _refuse(self, req, reason: str, aligned: int) -> MatchResult:
+        self.ledger.record(req.request_id, Outcome("recomputed", reason, local_cached_tokens=aligned))
+        return NO_MATCH
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> MatchResult:
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill") or request.kv_load_failed:
+            return NO_MATCH
+        n = int(p.get("remote_num_tokens", 0))
+        aligned = num_computed_tokens
+        if n <= aligned:
+            self.ledger.record(request.request_id, Outcome("cached", "", 0, aligned))
+            return NO_MATCH
+        if bytes(p.get("compatibility_hash", b"")) != self.hash:
+            return self._refuse(request, "incompatible", aligned)
+        # never start a pull the prefill side may free while it runs
+        if time.time() + self.timeout_s >= float(p.get("remote_blocks_expiry_time", 0)):
+            return self._refuse(request, "expired", aligned)
+        pb = int(p.get("block_size", 0))
+        if pb <= 0 or self.ctx.layout.block_size % pb or aligned % pb:
+            return self._refuse(request, "geometry", aligned)
+        return MatchResult(n - aligned, is_async=True)
+
+    def update_state_after_alloc(self, request, spec: LoadSpec) -> None:
+        if spec.num_external_tokens > 0:
+            self._pulls.append(PullJob(request.request_id, dict(request.kv_transfer_params), spec))
+
+    def build_connector_meta(self, step: int) -> NixlMeta:
+        pulls, self._pulls = self._pulls, []
+        return NixlMeta(step=step, pulls=pulls)
+
+    # prefill side ------------------------------------------------------------------------------
+    def request_finished(self, request, block_ids: BlockIds) -> FinishResult:
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_decode") or request.status.value == "abort":
+            return FinishResult()
+        L = self.ctx.layout
+        n = len(request.prompt_token_ids)
+        if request.num_computed_tokens < n:
+            return FinishResult()
+        groups = []
+        for g in L.groups:
+            ids = list(block_ids[g.group_id])
+            if g.kind == "mla":
+                ids = ids[: math.ceil(n / L.block_size)]
+            groups.append(dict(group_id=g.group_id, kind=g.kind, block_ids=ids))
+        params = dict(remote_engine_id=self.ctx.engine_id, remote_request_id=request.request_id,
+                      remote_block_ids=groups, remote_num_tokens=n,
+                      remote_blocks_expiry_time=time.time() + self.expiry_s, tp_size=self.tp_size,
+                      block_size=L.block_size, compatibility_hash=self.hash)
+        return FinishResult(delay_free=True, transfer_params=params, expiry_s=self.expiry_s)
+
+    def stats(self) -> dict[str, float]:
+        return dict(self.ledger.counts)
+
+
+# -- worker half --------------------------------------------------------------------------------
+
+@dataclass
+class _InFlight:
+    job: PullJob
+    xfer: object
+    t0: float
+    deadline: float
+    plan: object
+    zero: tuple  # (mla_loaded, received_tokens, kda_blocks, local side)
+    host: str
+    port: int
+
+
+class NixlWorker(KVConnectorWorker):
+    def __init__(self, ctx: ConnectorContext, ledger: TransferLedger, factors: dict):
+        super().__init__(ctx)
+        self.ledger = ledger
+        self.factors = factors
+        cfg = ctx.extra_config
+        self.devices = cfg.get("devices") or None
+        self.timeout_s = float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S))
+        self.tp_size, self.tp_rank = int(cfg.get("tp_size", 1)), int(cfg.get("tp_rank", 0))
+        self.agent = None
+        self.peers = None
+        self.geometry = None
+        self.bases: list[int] = []
+        self._local: dict[tuple, object] = {}  # (ratio, parts) -> (DescriptorSide, prepped handle)
+        self._inflight: list[_InFlight] = []
+        self._failed: set[str] = set()
+        self._lock = threading.Lock()  # metadata requests come from the gRPC thread
+
+    # setup -------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv) -> None:
+        from k3serve.workers.kv_transfer.agent import TransferAgent
+        from k3serve.workers.kv_transfer.handshake import PeerCache
+        from k3serve.workers.kv_transfer.views import PageGeometry
+
+        super().register_kv_caches(kv)
+        if os.environ.get(POISON_ENV):
+            for t in kv.pages:
+                t[1:].fill_(0xFF)  # block 0 is the null block: every other page is free now
+        self.agent = TransferAgent(f"k3serve-{self.ctx.engine_id}", devices=self.devices)
+        self.bases = [t.data_ptr() for t in kv.pages]
+        self.agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in kv.pages],
+                            "VRAM" if str(self.ctx.device).startswith("cuda") else "DRAM")
+        self.geometry = PageGeometry.of(self.ctx.layout, kv.num_blocks, self.tp_size, self.tp_rank)
+        self.peers = PeerCache(self.agent, self.factors)
+
+    def transfer_metadata(self, pb, request):
+        """Answer GetTransferMetadata (gRPC thread). Raises IncompatiblePeer on a hash mismatch."""
+        import json
+
+        from k3serve.workers.kv_transfer.compat import check_compatible
+        from k3serve.workers.kv_transfer.handshake import metadata_response
+
+        if self.agent is None:
+            raise RuntimeError("the transfer agent is not started yet")
+        theirs = json.loads(request.compatibility_factors) if request.compatibility_factors else None
+        check_compatible(self.factors, request.compatibility_hash, theirs)
+        with self._lock:
+            return metadata_response(pb, engine_id=self.ctx.engine_id, factors=self.factors, agent=self.agent,
+                                     bases=self.bases, geometry=self.geometry)
+
+    # decode side -------------------------------------------------------------------------------
+    def _sides(self, peer):
+        from k3serve.workers.kv_transfer.views import DescriptorSide
+
+        mapping = plan_pd_mapping(peer.geometry.side(), self.geometry.side(), self.tp_rank)
+        if mapping.kda_src_ranks != (peer.geometry.tp_rank,) and self.geometry.has_kda:
+            raise PDGeometryError("this decode rank needs KDA state from prefill ranks "
+                                  f"{mapping.kda_src_ranks}; only single-rank peers are wired so far")
+        sub = peer.geometry.block_size * peer.geometry.mla_token_bytes
+        key = (mapping.block_ratio, sub, mapping.kda_reads)
+        if key not in self._local:
+            side = DescriptorSide(self.geometry, self.bases, mapping, sub, local=True)
+            self._local[key] = (side, self.agent.prep_local(side.descs) if len(side.descs) else None)
+        if "remote" not in peer.prepared:
+            rside = DescriptorSide(peer.geometry, peer.bases, mapping, sub, local=False,
+                                   src_rank=peer.geometry.tp_rank)
+            peer.prepared["remote"] = self.agent.prep_remote(peer.agent_name, rside.descs)
+            peer.remote_side = rside
+        return mapping, self._local[key], (peer.remote_side, peer.prepared["remote"])
+
+    def _fail(self, job: PullJob, reason: str, detail: str = "") -> None:
+        log.warning("KV pull for %s fell back to recompute (%s%s)", job.request_id, reason,
+                    f": {detail}" if detail else "")
+        self._failed.add(job.request_id)
+        self.ledger.record(job.request_id, Outcome("recomputed", reason, 0, job.spec.num_local_tokens))
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        from k3serve.workers.kv_transfer.agent import TransferError
+        from k3serve.workers.kv_transfer.handshake import PeerUnreachable
+        from k3serve.workers.kv_transfer.views import plan_request
+
+        for job in getattr(meta, "pulls", []):
+            p, spec = job.params, job.spec
+            host, port = p.get("remote_host", ""), int(p.get("remote_port", 0))
+            try:
+                peer = self.peers.get(host, port, p.get("remote_engine_id", ""))
+                mapping, (lside, lh), (rside, rh) = self._sides(peer)
+            except IncompatiblePeer as e:
+                self._fail(job, "incompatible", str(e))
+                continue
+            except PeerUnreachable as e:
+                self._fail(job, "peer_unreachable", str(e))
+                continue
+            except PDGeometryError as e:
+                self._fail(job, "geometry", str(e))
+                continue
+            L, E = spec.num_local_tokens, spec.num_external_tokens
+            n = L + E
+            Bp = peer.geometry.block_size
+            layout = self.ctx.layout
+            mla_pairs, mla_loaded, kda_pairs = {}, {}, {}
+            try:
+                remote_groups = {int(g["group_id"]): list(g["block_ids"]) for g in p.get("remote_block_ids", [])}
+                for g in layout.groups:
+                    rb = remote_groups[g.group_id]
+                    if g.kind == "mla":
+                        pblocks = rb[L // Bp: math.ceil(n / Bp)]
+                        dblocks = spec.load_block_ids(layout, g.group_id)
+                        mla_pairs[g.group_id] = mapping.mla_block_pairs(pblocks, dblocks)
+                        mla_loaded[g.group_id] = dblocks
+                    else:
+                        kda_pairs[g.group_id] = (rb[0], spec.block_ids[g.group_id][0])
+                plan = plan_request(lside, rside, self.geometry.groups, mla_pairs, kda_pairs)
+                xfer = self.agent.read(lh, plan.local_ids, rh, plan.remote_ids,
+                                       notif=str(p.get("remote_request_id", "")).encode())
+            except (KeyError, IndexError, PDGeometryError) as e:
+                self._fail(job, "geometry", f"transfer parameters do not fit this layout: {e!r}")
+                continue
+            except TransferError as e:
+                self.peers.drop(host, port)
+                self._fail(job, "transfer_failed", str(e))
+                continue
+            now = time.monotonic()
+            self._inflight.append(_InFlight(job, xfer, now, now + self.timeout_s, plan,
+                                            (mla_loaded, E, kda_pairs, lside), host, port))
+
+    def get_finished(self) -> KVConnectorOutput:
+        from k3serve.workers.kv_transfer.views import zero_unreceived
+
+        out = KVConnectorOutput()
+        still = []
+        for f in self._inflight:
+            state = f.xfer.poll()
+            if state == "PROC":
+                if time.monotonic() < f.deadline:
+                    still.append(f)
+                    continue
+                # timed out: the READ may still write into these pages, so keep them until it ends
+                if time.monotonic() < f.deadline + 2 * self.timeout_s:
+                    still.append(f)
+                    continue
+                state = "TIMEOUT"
+            f.xfer.release()
+            rid = f.job.request_id
+            if state == "DONE":
+                mla_loaded, received, kda_pairs, lside = f.zero
+                zero_unreceived(self.kv.pages, self.geometry, lside, mla_loaded, received,
+                                {g: d for g, (_p, d) in kda_pairs.items()})
+                secs = time.monotonic() - f.t0
+                out.finished_recving.add(rid)
+                self.ledger.record(rid, Outcome("pulled", "", f.job.spec.num_external_tokens,
+                                                f.job.spec.num_local_tokens, sum(f.plan.bytes_by_view.values())),
+                                   seconds=secs, bytes_by_view=f.plan.bytes_by_view)
+            else:
+                self.peers.drop(f.host, f.port)
+                self._failed.add(rid)
+                self.ledger.record(rid, Outcome("recomputed", "timeout" if state == "TIMEOUT" else "transfer_failed",
+                                                0, f.job.spec.num_local_tokens))
+        self._inflight = still
+        out.failed_recving, self._failed = self._failed, set()
+        # prefill side: the decode side's READs completed (their notification names our request id)
+        if self.agent is not None:
+            for msgs in self.agent.notifs().values():
+                for m in msgs:
+                    out.finished_sending.add(m.decode(errors="replace"))
+        out.stats = dict(self.ledger.counts)
+        return out
+
+    def shutdown(self) -> None:
+        for f in self._inflight:
+            f.xfer.release()
+        self._inflight = []
+        if self.agent is not None:
+            self.agent.close()
+
+
+@dataclass
+class NixlConnector(KVConnector):
+    ledger: TransferLedger = None  # type: ignore[assignment]
+    factors: dict = None  # type: ignore[assignment]
+
+
+def make_nixl_connector(ctx: ConnectorContext) -> NixlConnector:
+    """Factory (workers/engine/kv_connector/factory.py name "nixl")."""
+    factors = compatibility_factors(ctx.layout, _fingerprint(ctx), int(ctx.extra_config.get("tp_size", 1)))
+    ledger = TransferLedger()
+    return NixlConnector(scheduler=NixlScheduler(ctx, ledger, factors), worker=NixlWorker(ctx, ledger, factors),
+                         ledger=ledger, factors=factors)

@@ -1,0 +1,111 @@
+"""Handshake over the worker's own gRPC (`GetTransferMetadata`), never NIXL's listener (design doc §5.3).
+
+`PeerCache` fetches a prefill worker's metadata once per (host, port), checks the compatibility hash
+first (IncompatiblePeer names the differing invariants), adds the peer's NIXL agent, and keeps the
+result until the peer's engine id changes (a restart: refetch, old agent removed) or a transfer from
+it fails (`drop`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+
+from k3serve.workers.kv_transfer.compat import (
+    IncompatiblePeer,
+    canonical,
+    check_compatible,
+    compatibility_hash,
+)
+from k3serve.workers.kv_transfer.views import PageGeometry
+
+log = logging.getLogger(__name__)
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+class PeerUnreachable(RuntimeError):
+    """The prefill worker did not answer the handshake (the caller recomputes)."""
+
+
+@dataclass
+class Peer:
+    address: str  # host:port of its gRPC
+    engine_id: str
+    agent_name: str
+    bases: list[int]
+    geometry: PageGeometry
+    factors: dict
+    prepared: dict  # connector-owned: prepared dlists for this peer
+    remote_side: object = None  # connector-owned: the peer's DescriptorSide
+
+
+def metadata_response(pb, *, engine_id: str, factors: dict, agent, bases: list[int], geometry: PageGeometry):
+    """The TransferMetadataResponse a worker answers with (`pb`: k3serve.proto.worker_pb2)."""
+    return pb.TransferMetadataResponse(
+        engine_id=engine_id, compatibility_hash=compatibility_hash(factors), compatibility_factors=canonical(factors),
+        agent_name=agent.name, agent_metadata=agent.metadata(), region_base_addrs=[int(b) for b in bases],
+        num_blocks=geometry.num_blocks, page_bytes=geometry.page_bytes, block_size=geometry.block_size,
+        tp_size=geometry.tp_size, tp_rank=geometry.tp_rank, layout=geometry.to_json())
+
+
+class PeerCache:
+    def __init__(self, agent, factors: dict, timeout_s: float = HANDSHAKE_TIMEOUT_S):
+        self.agent = agent
+        self.factors = factors
+        self.timeout_s = timeout_s
+        self.peers: dict[str, Peer] = {}
+        self.fetches = 0
+        self._lock = threading.Lock()
+
+    def get(self, host: str, port: int, engine_id: str) -> Peer:
+        addr = f"{host}:{port}"
+        with self._lock:
+            p = self.peers.get(addr)
+            if p is not None and p.engine_id == engine_id:
+                return p
+            if p is not None:  # restarted (new engine id): forget the old agent
+                self._drop_locked(addr)
+        peer = self._fetch(addr)
+        if peer.engine_id != engine_id:
+            raise PeerUnreachable(f"{addr} now runs engine {peer.engine_id}, not {engine_id} (it restarted: "
+                                  "the pages of this request are gone)")
+        with self._lock:
+            self.peers[addr] = peer
+        return peer
+
+    def _fetch(self, addr: str) -> Peer:
+        import grpc
+
+        from k3serve.proto import worker_pb2 as pb
+        from k3serve.proto import worker_pb2_grpc as pb_grpc
+
+        self.fetches += 1
+        req = pb.TransferMetadataRequest(compatibility_hash=compatibility_hash(self.factors),
+                                         compatibility_factors=canonical(self.factors))
+        try:
+            with grpc.insecure_channel(addr) as ch:
+                resp = pb_grpc.WorkerStub(ch).GetTransferMetadata(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise IncompatiblePeer(e.details()) from None
+            raise PeerUnreachable(f"handshake with {addr} failed: {e.code().name}: {e.details()}") from None
+        theirs = json.loads(resp.compatibility_factors) if resp.compatibility_factors else None
+        check_compatible(self.factors, resp.compatibility_hash, theirs)
+        name = self.agent.add_peer(bytes(resp.agent_metadata))
+        return Peer(addr, resp.engine_id, name, list(resp.region_base_addrs), PageGeometry.from_json(resp.layout),
+                    theirs or {}, {})
+
+    def drop(self, host: str, port: int) -> None:
+        with self._lock:
+            self._drop_locked(f"{host}:{port}")
+
+    def _drop_locked(self, addr: str) -> None:
+        p = self.peers.pop(addr, None)
+        if p is None:
+            return
+        for h in p.prepared.values():
+            self.agent.release_dlist(h)
+        self.agent.remove_peer(p.agent_name)
+        log.info("dropped the cached transfer metadata of %s (engine %s)", addr, p.engine_id)
