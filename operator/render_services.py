@@ -12,7 +12,7 @@ from k3serve.operator.render_pod import (
     pod_spec,
     writable_volumes,
 )
-from k3serve.operator.render_workers import leader_selector
+from k3serve.operator.render_workers import leader_selector, model_arg, model_volume
 
 
 def _meta(ctx: Context, name: str, component: str) -> dict:
@@ -43,6 +43,8 @@ def router_args(ctx: Context) -> list[str]:
     ref = ctx.spec["router"].get("apiKeySecretRef")
     if ref:
         args += ["--api-key-file", f"{n.API_KEY_DIR}/{ref.get('key', 'api-key')}"]
+    # the tokenizer, config and weight fingerprint: the router hashes prompts exactly as the workers do
+    args += ["--model", model_arg(ctx.spec)]
     return args
 
 
@@ -63,6 +65,10 @@ def render_router(ctx: Context) -> list[dict]:
     cfg_volume, cfg_mount = config_volume(ctx.config_map, "router.json")
     volumes.append(cfg_volume)
     mounts.append(cfg_mount)
+    if spec["model"].get("pvc"):
+        volume, mount = model_volume(spec)
+        volumes.append(volume)
+        mounts.append(mount)
     ref = router.get("apiKeySecretRef")
     if ref:
         key = ref.get("key", "api-key")

@@ -38,6 +38,15 @@ def model_arg(spec: dict) -> str:
     return model["uri"]
 
 
+def model_volume(spec: dict) -> tuple[dict, dict]:
+    """The checkpoint PersistentVolumeClaim, read-only at MODEL_DIR (workers and routers)."""
+    volume = {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": spec["model"]["pvc"]["claimName"], "readOnly": True},
+    }
+    return volume, {"name": "model", "mountPath": n.MODEL_DIR, "readOnly": True}
+
+
 def cache_args(cache: dict) -> list[str]:
     """The worker's cache flags for a defaulted spec.cache."""
     args: list[str] = []
@@ -168,13 +177,9 @@ def _pod_template(
     volumes.append(cfg_volume)
     mounts.append(cfg_mount)
     if spec["model"].get("pvc"):
-        volumes.append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {"claimName": spec["model"]["pvc"]["claimName"], "readOnly": True},
-            }
-        )
-        mounts.append({"name": "model", "mountPath": n.MODEL_DIR, "readOnly": True})
+        volume, mount = model_volume(spec)
+        volumes.append(volume)
+        mounts.append(mount)
     container = {
         "name": "worker",
         "image": ctx.image,

@@ -1,0 +1,220 @@
+"""The rendered pods of manifests/samples/tiny-cpu.yaml run: `k3serve operator simulate` starts every
+pod's container args + env as processes (pod IPs on loopback, Services to their pods, ConfigMaps and the
+PVC as files), in a private network namespace because the Mooncake master and its clients run, waits for
+every readiness probe, and the official `openai` client drives status.gatewayURL: chat, stream, tools;
+greedy output equals the offline engine on the same checkpoint.
+
+Plan-level checks (no processes) come first: Service names, `$(VAR)` expansion, sandboxed mounts, the
+router's discovery and the Prometheus targets.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from k3serve.operator.render import render
+from k3serve.operator.render_context import RenderOptions
+from k3serve.operator.simulate_plan import (
+    Inputs,
+    SimulateError,
+    expand,
+    plan,
+    prometheus_config,
+    rewrite_hosts,
+)
+
+from ._k8s_sim import sample, shared_simulation
+
+NAME = "k3-tiny"  # spec.model.name of the sample
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+def colocated_cr() -> dict:
+    """tiny-cpu.yaml with prefill.replicas 0 (decode pods run --role both), store and PodMonitor on."""
+    cr = sample()
+    cr["spec"]["prefill"]["replicas"] = 0
+    cr["spec"]["monitoring"]["podMonitor"] = True
+    cr["spec"]["cache"]["maxModelLen"] = 1024
+    return cr
+
+
+# --- the plan ---------------------------------------------------------------------------------------
+
+
+def _plan(cr: dict, tmp_path: Path, lws: bool = False, **inputs):
+    cr = copy.deepcopy(cr)
+    cr["metadata"]["namespace"] = "demo"
+    r = render(cr, RenderOptions(podmonitor=True, lws=lws))
+    assert not r.problems
+    kw = dict(namespace="demo", cluster_domain="cluster.local", secrets={}, claims={"k3-tiny-model": "/data"})
+    kw.update(inputs)
+    return r.objects, plan(r.objects, Inputs(**kw), tmp_path)
+
+
+def test_plan_maps_services_env_and_mounts(tmp_path):
+    cr = sample()
+    cr["spec"]["monitoring"]["podMonitor"] = True
+    objects, pods = _plan(cr, tmp_path)
+    by = {p.name: p for p in pods}
+    assert set(by) == {"tiny-prefill-0", "tiny-decode-0", "tiny-router-sim0", "tiny-kvstore-sim0"}
+    assert len({p.ip for p in pods}) == len(pods) and all(p.ip.startswith("127.100.0.") for p in pods)
+    dec, store = by["tiny-decode-0"], by["tiny-kvstore-sim0"]
+    args = dec.argv[3:]
+    assert dec.argv[1:3] == ["-m", "k3serve.cli"] and args[:3] == ["worker", "--role", "decode"]
+    # $(K3SERVE_POD_IP) expanded, the store's Service name leads to the store pod's rpc port
+    assert args[args.index("--host") + 1] == dec.ip
+    assert args[args.index("--kv-store") + 1] == f"{store.ip}:50051"
+    assert dec.env["MC_TCP_BIND_ADDRESS"] == dec.ip and dec.env["K3SERVE_POD_NAME"] == "tiny-decode-0"
+    # mounts: the PVC at /models, the config file and $K3SERVE_HOME inside the pod's sandbox
+    box = tmp_path / "pods/tiny-decode-0"
+    assert args[args.index("--model") + 1] == str(box / "fs/models/tiny")
+    assert dec.links == {"fs/models": "/data"}
+    assert dec.env["K3SERVE_HOME"] == str(box / "fs/var/cache/k3serve")
+    cfg = json.loads(dec.files["fs/etc/k3serve/config/decode.json"])
+    assert cfg["role"] == "decode" and cfg["args"][:3] == ["worker", "--role", "decode"]
+    assert dec.ready_url == f"http://{dec.ip}:9100/health" and dec.env["OMP_NUM_THREADS"] == "1"
+    # the store: `command: [mooncake_master]`, the executable next to this Python
+    assert store.argv[0].endswith("/mooncake_master") and f"--rpc_address={store.ip}" in store.argv
+    # the router: static discovery of exactly the pods its selectors match
+    router = by["tiny-router-sim0"].argv
+    assert router[router.index("--discovery") + 1] == "static" and "--decode-selector" not in router
+    assert router[router.index("--prefill-workers") + 1] == f"{by['tiny-prefill-0'].ip}:50051"
+    assert router[router.index("--decode-workers") + 1] == f"{dec.ip}:50051"
+    # Prometheus: one target per pod with the PodMonitor's target labels
+    prom = json.loads(prometheus_config(objects, pods, "demo", "1s"))
+    targets = {t["labels"]["pod"]: t for job in prom["scrape_configs"] for t in job["static_configs"]}
+    assert set(targets) == set(by)
+    assert targets["tiny-decode-0"]["targets"] == [f"{dec.ip}:9100"]
+    assert targets["tiny-decode-0"]["labels"]["k3serve_io_role"] == "decode"
+    assert targets["tiny-decode-0"]["labels"]["k3serve_io_deployment"] == "tiny"
+
+
+def test_plan_secrets_and_missing_inputs(tmp_path):
+    cr = sample("k3-tep8-dep16.yaml")
+    with pytest.raises(SimulateError, match=r"secret 'k3-api-key' does not exist \(give it with --secret"):
+        _plan(cr, tmp_path, claims={})
+    with pytest.raises(SimulateError, match="LeaderWorkerSet/k3-decode: multi-node groups cannot be simulated"):
+        _plan(cr, tmp_path, lws=True, claims={}, secrets={"k3-api-key": {"api-key": "x"}})
+    cr = sample()
+    with pytest.raises(SimulateError, match=r"PersistentVolumeClaim 'k3-tiny-model': give a local directory"):
+        _plan(cr, tmp_path, claims={})
+    cr["spec"]["router"]["apiKeySecretRef"] = {"name": "key", "key": "k"}
+    with pytest.raises(SimulateError, match=r"secret 'key' does not exist \(give it with --secret key/KEY=VALUE\)"):
+        _plan(cr, tmp_path)
+    _, pods = _plan(cr, tmp_path, secrets={"key": {"k": "s3cret"}})
+    router = next(p for p in pods if p.component == "router")
+    assert router.files["fs/etc/k3serve/api-key/k"] == b"s3cret"
+    assert router.argv[router.argv.index("--api-key-file") + 1].endswith("/fs/etc/k3serve/api-key/k")
+
+
+def test_expand_and_rewrite_follow_kubernetes():
+    env = {"A": "1", "B": "x"}
+    assert expand("$(A)-$(B)-$(C)-$$(A)", env) == "1-x-$(C)-$(A)"
+    from k3serve.operator.simulate_plan import ServiceRoute
+
+    routes = {"s.ns.svc.cluster.local": ServiceRoute("127.1.1.1", {80: 8080}), "s.ns": ServiceRoute("127.1.1.1", {})}
+    assert rewrite_hosts("http://s.ns.svc.cluster.local:80/v1", routes) == "http://127.1.1.1:8080/v1"
+    assert rewrite_hosts("s.ns:5 s.ns.other", routes) == "127.1.1.1:5 s.ns.other"
+
+
+# --- the pods, running ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def colocated(request, tiny_model_dir):
+    return shared_simulation(request, "colocated", colocated_cr, tiny_model_dir, prometheus=True)
+
+
+@pytest.fixture(scope="module")
+def client(colocated):
+    return openai.OpenAI(base_url=colocated.gateway, api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):
+    import torch
+
+    from k3serve.workers.llm import LLM
+
+    torch.set_num_threads(1)
+    return LLM(str(tiny_model_dir), max_model_len=1024)
+
+
+def _offline_chat(llm, msgs, max_tokens, **kw) -> str:
+    from k3serve.sampling_params import SamplingParams
+
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=max_tokens), **kw)[0].outputs[0]
+    return out.text
+
+
+def test_every_rendered_pod_is_ready_and_the_gateway_is_status_gateway_url(colocated, client):
+    out = colocated.output()
+    assert colocated.status_gateway == "http://tiny-router.default.svc.cluster.local:8000/v1"
+    for pod in ("tiny-decode-0", "tiny-router-sim0", "tiny-kvstore-sim0"):
+        assert f"pod {pod} " in out, out
+    assert "pods=3" in out
+    # every pod ran what the renderer says, as a real process: the worker, the router and the master
+    assert "k3serve worker: ready" in colocated.log("tiny-decode-0")
+    assert "role=both model=k3-tiny" in colocated.log("tiny-decode-0")  # K3SERVE_SERVED_MODEL_NAME
+    assert "k3serve router: listening" in colocated.log("tiny-router-sim0")
+    assert "Master service started" in colocated.log("tiny-kvstore-sim0")
+    (card,) = client.models.list().data
+    assert card.id == NAME
+
+
+def test_chat_greedy_equals_offline_engine(client, offline):
+    kw = {"thinking": False}
+    r = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=10, temperature=0,
+                                       extra_body={"chat_template_kwargs": kw})
+    assert r.choices[0].message.content == _offline_chat(offline, MSGS, 10, chat_template_kwargs=kw)
+    assert r.usage.completion_tokens == 10
+
+
+def test_stream_equals_nonstream(client):
+    kw = {"extra_body": {"chat_template_kwargs": {"thinking": False}}}
+    full = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=8, temperature=0, **kw)
+    chunks = list(client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_tools_greedy_equals_offline_engine(client, offline):
+    from k3serve.chat.renderer import render_chat
+
+    kw = {"thinking": False}
+    r = client.chat.completions.create(model=NAME, messages=MSGS, tools=[WEATHER], tool_choice="auto",
+                                       max_tokens=6, temperature=0, extra_body={"chat_template_kwargs": kw})
+    tok = offline.tokenizer
+    assert r.usage.prompt_tokens == len(render_chat(tok, MSGS, tools=[WEATHER], tool_choice="auto",
+                                                    thinking=False).token_ids)
+    msg = r.choices[0].message
+    offline_text = _offline_chat(offline, MSGS, 6, tools=[WEATHER], chat_template_kwargs=kw)
+    if msg.tool_calls:  # the random model emitted a call: it must be the only tool it was given
+        assert all(tc.function.name == "get_weather" for tc in msg.tool_calls)
+    else:
+        assert msg.content == offline_text
+
+
+def test_completions_greedy_equals_offline_engine(client, offline):
+    from k3serve.sampling_params import SamplingParams
+
+    r = client.completions.create(model=NAME, prompt="The cache keeps", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ref = offline.generate("The cache keeps", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert r.choices[0].text == ref.outputs[0].text
+
+
+def test_sample_file_is_what_the_simulation_ran(colocated):
+    ran = yaml.safe_load((colocated.root.parent / "cr.yaml").read_text())
+    assert ran == colocated_cr()
