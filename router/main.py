@@ -116,6 +116,13 @@ async def serve(args, *, ready=None) -> int:
     from k3serve.router.registry import Registry
     from k3serve.workers.engine_cli import bind_socket
 
+    if args.model and "://" in args.model:  # a model URI: fetched into $K3SERVE_HOME as the workers do
+        from k3serve.workers.model.acquire import AcquireError, resolve_model
+
+        try:
+            args.model = str(resolve_model(args.model))
+        except (AcquireError, OSError) as e:
+            return _fail(f"cannot fetch the model: {e}")
     try:
         tok, vocab, fp = _model_facts(args.model)
     except (OSError, ValueError, KeyError) as e:
