@@ -161,6 +161,12 @@ def _transfers() -> list[dict]:
             "ops",
             [_target(_rate("k3serve_kv_transfer_failures", "reason"), "{{reason}}")],
         ),
+        _panel(
+            "P/D requests by outcome",
+            "ops",
+            [_target(_rate("k3serve_kv_transfers", "outcome"), "{{outcome}}")],
+            "pulled over NIXL, cached (the decode worker had it all), recomputed (fallback).",
+        ),
     ]
 
 

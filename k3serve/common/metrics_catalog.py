@@ -81,6 +81,8 @@ CATALOG: tuple[MetricSpec, ...] = (
                LATENCY_BUCKETS),
     MetricSpec("k3serve_kv_transfer_failures", "counter", "KV transfers that failed and fell back to recompute.",
                ("model_name", "reason"), _W),
+    MetricSpec("k3serve_kv_transfers", "counter",
+               "Decode-side P/D requests by outcome (pulled | cached | recomputed).", ("model_name", "outcome"), _W),
     MetricSpec("k3serve_kv_store_hits_tokens", "counter", "Prompt tokens loaded from the Mooncake store.", _M, _W),
     MetricSpec("k3serve_kv_store_puts", "counter", "Objects offered to the Mooncake store.", ("model_name", "kind"), _W),
     MetricSpec("k3serve_kv_store_lookups", "counter",
