@@ -39,3 +39,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # from the engine's KV connector at finish (P/D: what to pull)

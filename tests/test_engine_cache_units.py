@@ -7,9 +7,10 @@ import torch
 
 from k3serve.common.block_hash import chain_hashes, root_hash, unit_hash
 from k3serve.sampling_params import SamplingParams
-from k3serve.workers.engine.block_pool import BlockPool, NoFreeBlocks
 from k3serve.workers.engine.cache_layout import KVCacheTensors, plan_cache_layout
-from k3serve.workers.engine.kv_cache_manager import HybridKVCacheManager
+from k3serve.workers.engine.kv_cache.block_pool import BlockPool, NoFreeBlocks
+from k3serve.workers.engine.kv_cache.coordinator import KVCacheCoordinator
+from k3serve.workers.engine.kv_cache.eviction import ComputePerByteScorer
 from k3serve.workers.engine.request import Request
 
 
@@ -48,7 +49,7 @@ def test_page_views_alias_the_same_bytes():
 def test_block_pool_lru_and_unhashed_first():
     pool = BlockPool(6, block_size=4)
     a = pool.allocate(3)
-    pool.register(a[0], (b"x", 0), 4, "mla", 1)
+    pool.register(a[0], (b"x", 0), 4, 1)
     pool.free_blocks([a[0], a[1]])
     # the unhashed block goes to the front: it is reused before the cached one
     nxt = pool.allocate(1)[0]
@@ -61,10 +62,10 @@ def test_block_pool_lru_and_unhashed_first():
 
 
 def test_compute_per_byte_keeps_deep_snapshots():
-    pool = BlockPool(5, block_size=4, eviction="compute-per-byte")
+    pool = BlockPool(5, block_size=4, eviction=ComputePerByteScorer(state_groups={1}))  # group 1: KDA
     bs = pool.allocate(4)
     for i, b in enumerate(bs):
-        pool.register(b, (bytes([i]), 1), 4 * (i + 1) if i != 1 else 400, "kda", 1)
+        pool.register(b, (bytes([i]), 1), 4 * (i + 1) if i != 1 else 400, 1)
     pool.free_blocks(bs)  # same recency order: bs[0] oldest
     victim = pool.allocate(1)[0]
     assert victim is bs[0]  # old and shallow
@@ -91,7 +92,7 @@ def test_manager_hit_snapshot_and_same_step_rule():
     cfg = fake_config()
     lay = plan_cache_layout(cfg, torch.float32, block_size=8)
     pool = BlockPool(64, block_size=8)
-    m = HybridKVCacheManager(lay, pool, enable_caching=True, hash_unit=4, retention=0)
+    m = KVCacheCoordinator(lay, pool, enable_caching=True, hash_unit=4, retention=0)
     m.begin_step(1)
     a = _mk_req("a", list(range(21)))
     hit = m.find_hit(a)
@@ -99,6 +100,7 @@ def test_manager_hit_snapshot_and_same_step_rule():
     m.set_retained_boundaries(a, hit)
     assert a.retained_boundaries == {20}  # replay boundary floor((21-1)/4)*4
     plan = m.admit(a, hit, 21)
+    assert plan.new_block_ids and all(len(ids) == 3 for ids in plan.new_block_ids)  # ceil(21 / 8) pages
     assert [off for off, _ in plan.checkpoints] == [20]
     a.num_computed_tokens = 21
     b = _mk_req("b", list(range(21)) + [99, 98])

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import torch
 
 from k3serve.sampling_params import SamplingParams
-from k3serve.workers.engine.block_pool import BlockPool
 from k3serve.workers.engine.cache_layout import plan_cache_layout
-from k3serve.workers.engine.kv_cache_manager import HybridKVCacheManager
+from k3serve.workers.engine.kv_cache.block_pool import BlockPool
+from k3serve.workers.engine.kv_cache.coordinator import KVCacheCoordinator
 from k3serve.workers.engine.request import Request, RequestStatus
 from k3serve.workers.engine.scheduler import Scheduler, token_budget
 
@@ -16,7 +16,7 @@ def _setup(num_blocks=64, budget=16, max_seqs=4):
     cfg = SimpleNamespace(kda_layer_ids=[0, 1, 2], mla_layer_ids=[3], kv_lora_rank=16, qk_rope_head_dim=8,
                           kda_num_heads=1, kda_head_dim=8, conv_kernel_size=4)
     lay = plan_cache_layout(cfg, torch.float32, block_size=4)
-    kv = HybridKVCacheManager(lay, BlockPool(num_blocks, block_size=4))
+    kv = KVCacheCoordinator(lay, BlockPool(num_blocks, block_size=4))
     return Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=64)
 
 
@@ -26,9 +26,7 @@ def _req(rid, n):
 
 def _sample_all(s, out):
     s.end_step()
-    for c in out.chunks:
-        if c.sample:
-            s.requests[c.request_id].append_output(7)
+    s.update_from_output(out, {c.request_id: 7 for c in out.chunks if c.sample})
 
 
 def test_chunked_prefill_respects_budget_and_mixes_decodes():

@@ -143,3 +143,10 @@ class EngineArgs:
     enforce_eager: bool = arg(False, "never replay decode steps from captured CUDA graphs")
     cuda_graph_max_batch: int = arg(256, "largest decode batch that gets a captured CUDA graph", parse=positive_int)
     static_decode: bool | None = arg(None, "fixed-shape padded decode steps (default: on CUDA only)")
+    kv_offload_memory: int | None = arg(
+        None, "host-memory KV tier: cached pages the device pool evicts are copied to this much host memory "
+        "(8G, 8GiB, 512M, bytes; off by default; needs --enable-prefix-caching)", parse=parse_size,
+        metavar="SIZE")
+    kv_connectors: tuple[str, ...] = arg(
+        (), "KV connectors after the host tier, in order (names from workers/engine/kv_connector/factory.py)",
+        nargs="+", to_field=tuple, metavar="NAME")

@@ -16,9 +16,10 @@ from k3serve.kv_events.types import KVEvent
 from k3serve.outputs import CompletionOutput, Logprob, RequestOutput
 from k3serve.sampling_params import SamplingParams
 from k3serve.workers.engine.api import EngineArgs
-from k3serve.workers.engine.block_pool import Block, BlockKey, BlockPool
 from k3serve.workers.engine.cache_layout import plan_cache_layout
-from k3serve.workers.engine.kv_cache_manager import HybridKVCacheManager
+from k3serve.workers.engine.kv_cache.block_pool import BlockKey, BlockPool, CacheEvent
+from k3serve.workers.engine.kv_cache.coordinator import KVCacheCoordinator
+from k3serve.workers.engine.kv_connector.base import ConnectorContext, KVConnector, KVConnectorOutput
 from k3serve.workers.engine.model_runner import ModelRunner
 from k3serve.workers.engine.request import Request, RequestStatus
 from k3serve.workers.engine.scheduler import Scheduler
@@ -78,7 +79,9 @@ def resolve_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, kv_connectors: list[KVConnector] | None = None):
+        """`kv_connectors`: pre-built connectors appended after those named by `args` (tests; the
+        composition rules are in docs/architecture.md, "KV connector API")."""
         from k3serve.tokenizer import K3Tokenizer
         from k3serve.workers.model.loader import load_model_weights
 
@@ -116,20 +119,26 @@ class LLMEngine:
         self.kv_events: list[KVEvent] = []
         self.event_listeners: list[Callable[[KVEvent], None]] = []
         self.pool = BlockPool(num_blocks, eviction=args.prefix_cache_eviction, block_size=layout.block_size,
-                              event_sink=self._on_cache_event if caching else None)
-        fp = model_fingerprint(args.model) if caching else b"\0" * 32
-        self.kv_manager = HybridKVCacheManager(
+                              record_events=caching)
+        want_connectors = bool(getattr(args, "kv_offload_memory", None) or getattr(args, "kv_connectors", ())
+                               or kv_connectors)
+        fp = model_fingerprint(args.model) if caching or want_connectors else b"\0" * 32
+        self.kv_manager = KVCacheCoordinator(
             layout, self.pool, enable_caching=caching, hash_unit=args.prefix_match_unit,
             retention=args.prefix_cache_retention_interval, selective=args.prefix_cache_selective_retention,
             model_fingerprint=fp)
+        self.connector = self._build_connectors(args, fp, list(kv_connectors or ())) if want_connectors else None
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=args.max_num_batched_tokens,
-                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len)
+                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                                   connector=self.connector.scheduler if self.connector else None)
         self.runner = ModelRunner(cfg, weights, layout, num_blocks, self.dtype, args.device,
                                   args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
                                   cuda_graphs=None if not args.enforce_eager else False,
                                   cuda_graph_max_batch=args.cuda_graph_max_batch)
         if args.static_decode is not None and not args.enforce_eager:
             self.runner.static_decode = bool(args.static_decode)
+        if self.connector is not None:
+            self.connector.worker.register_kv_caches(self.runner.kv)
         self.sampler = Sampler(seed=args.seed)
         self.structured = StructuredStage(lambda: self.tokenizer, cfg.vocab_size)  # workers/structured/stage.py
         self.seqs: dict[str, _Seq] = {}
@@ -156,18 +165,41 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory: must be a positive number of bytes (got {spec})")
         return spec
 
-    # -- cache events --------------------------------------------------------------------------
-    def _on_cache_event(self, kind: str, key: BlockKey, block: Block, num_tokens: int) -> None:
-        if not self.event_listeners:
-            return
-        ev = self._event(kind, key, block, num_tokens)
-        for fn in list(self.event_listeners):
-            fn(ev)
+    def _build_connectors(self, args: EngineArgs, fp: bytes, extra: list[KVConnector]) -> KVConnector:
+        import os
+        import uuid
 
-    def _event(self, kind: str, key: BlockKey, block: Block, num_tokens: int) -> KVEvent:
-        h, gid = key
-        return KVEvent(kind, h, block.key_parent.get(key), gid, self.layout.groups[gid].kind, num_tokens,
-                       self.layout.block_size)
+        from k3serve.workers.engine.kv_connector.composite import compose
+        from k3serve.workers.engine.kv_connector.factory import build_connector
+
+        ctx = ConnectorContext(layout=self.layout, hash_unit=args.prefix_match_unit or self.layout.block_size,
+                               model_fingerprint=fp, device=str(args.device),
+                               engine_id=f"{os.getpid()}-{uuid.uuid4().hex[:12]}",
+                               enable_prefix_caching=bool(args.enable_prefix_caching), args=args)
+        names = (["host-offload"] if getattr(args, "kv_offload_memory", None) else []) + list(
+            getattr(args, "kv_connectors", ()) or ())
+        conns = [build_connector(n, ctx) for n in names] + extra
+        conn = compose(ctx, conns)
+        self.kv_manager.attach_connector(conn.scheduler)
+        return conn
+
+    # -- cache events --------------------------------------------------------------------------
+    def _publish_events(self) -> None:
+        """Deliver the pool's queued key changes (once per step)."""
+        evs = self.pool.drain_events()
+        if not evs or not self.event_listeners:
+            return
+        for e in evs:
+            ev = self._to_kv_event(e)
+            for fn in list(self.event_listeners):
+                fn(ev)
+
+    def _to_kv_event(self, e: CacheEvent) -> KVEvent:
+        h, gid = e.key
+        return KVEvent(e.kind, h, e.parent, gid, self.layout.groups[gid].kind, e.num_tokens, self.layout.block_size)
+
+    def _event(self, kind: str, key: BlockKey, block, num_tokens: int) -> KVEvent:
+        return self._to_kv_event(CacheEvent(kind, key, block.block_id, num_tokens, block.key_parent.get(key)))
 
     def subscribe_kv_events(self, fn: Callable[[KVEvent], None]) -> Callable[[], None]:
         """Call `fn` for every prefix-cache change from now on; returns an unsubscribe function."""
@@ -180,7 +212,8 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, prompt: str | None = None) -> None:
+                    cache_salt: str | None = None, prompt: str | None = None,
+                    kv_transfer_params: dict | None = None) -> None:
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = [int(t) for t in prompt_token_ids]
@@ -205,7 +238,8 @@ class LLMEngine:
                 p.n = 1
                 if params.seed is not None:
                     p.seed = params.seed + i
-            req = Request(sid, request_id, i, ids, p, eos, cache_salt=cache_salt)
+            req = Request(sid, request_id, i, ids, p, eos, cache_salt=cache_salt,
+                          kv_transfer_params=kv_transfer_params)
             self.seqs[sid] = _Seq(req, SamplingState.new(p, ids, eos),
                                   self._detokenizer(p),
                                   [] if p.logprobs is not None else None)
@@ -253,23 +287,46 @@ class LLMEngine:
         for req in self.structured.pop_ready(block=not self.scheduler.has_unfinished()):
             self.scheduler.add(req)
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        conn = self.connector
+        if sched.is_empty and conn is None:
             self.scheduler.end_step()
+            self._publish_events()
             return outputs
+        kv_out: KVConnectorOutput | None = None
+        logits = None
         try:
+            if conn is not None:
+                conn.worker.start_load_kv(sched.kv_connector_metadata)
+                conn.worker.wait_for_load()
             logits = self.runner.execute(sched)
+            if conn is not None:
+                conn.worker.save_kv(sched.kv_connector_metadata)
+                kv_out = conn.worker.get_finished()
         finally:
             self.scheduler.end_step()
+        failed = kv_out.failed_recving if kv_out is not None else ()
         sample_chunks = [c for c in sched.chunks if c.sample]
+        if failed:  # a failed load: that request's step output is discarded (it recomputes)
+            keep = [i for i, c in enumerate(sample_chunks) if c.request_id not in failed]
+            if logits is not None and len(keep) != len(sample_chunks):
+                logits = logits[keep]
+            sample_chunks = [sample_chunks[i] for i in keep]
         changed: dict[str, _Parent] = {}
+        sampled: dict[str, int] = {}
+        lps: dict[str, object] = {}
         if sample_chunks:
             seqs = [self.seqs[c.request_id] for c in sample_chunks]
             result = self.sampler(logits, [s.sampling for s in seqs])
-            now = time.monotonic()
             for row, (s, tok) in enumerate(zip(seqs, result.token_ids)):
-                lp = result.logprobs[row] if result.logprobs else None
-                self._append_token(s, tok, lp, now)
-                changed[s.req.parent_id] = self.parents[s.req.parent_id]
+                sampled[s.req.request_id] = int(tok)
+                lps[s.req.request_id] = result.logprobs[row] if result.logprobs else None
+        got = self.scheduler.update_from_output(sched, sampled, kv_out)
+        now = time.monotonic()
+        for req in got:
+            s = self.seqs[req.request_id]
+            self._process_token(s, sampled[req.request_id], lps[req.request_id], now)
+            changed[req.parent_id] = self.parents[req.parent_id]
+        self._publish_events()
         for parent in changed.values():
             outputs.append(self._make_output(parent))
             if all(self.seqs[sid].req.is_finished for sid in parent.seq_ids):
@@ -278,11 +335,12 @@ class LLMEngine:
         self.last_step_time = time.monotonic() - t0
         return outputs
 
-    def _append_token(self, s: _Seq, tok: int, lp, now: float) -> None:
+    def _process_token(self, s: _Seq, tok: int, lp, now: float) -> None:
+        """The output processor: the scheduler appended `tok` and applied the token-level stops;
+        here logprobs, detokenization and stop strings (which finish the request through the
+        scheduler)."""
         req = s.req
-        req.append_output(tok)
         s.sampling.output_token_ids.append(tok)
-        self.kv_manager.update_hashes(req)
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
@@ -293,24 +351,13 @@ class LLMEngine:
                     entry[tid] = Logprob(val, rank, self.tokenizer.decode([tid]) if self.tokenizer else None)
             s.logprobs.append(entry)
             s.cumulative_logprob += lp[0][1]
-        p = req.params
-        nout = req.num_output_tokens
-        status = None
-        if nout >= p.min_tokens:
-            if not p.ignore_eos and tok == req.eos_token_id:
-                status = RequestStatus.FINISHED_STOPPED
-            elif tok in p.stop_token_ids:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+        by_token = req.status if req.is_finished else None  # EOS / stop id / length, set by the scheduler
         s.detok.push([tok])
-        if status is None and s.detok.stopped_by is not None:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s.detok.stopped_by
-        if status is None and ((p.max_tokens is not None and nout >= p.max_tokens)
-                               or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            if status == RequestStatus.FINISHED_LENGTH or s.detok.stopped_by is None:
-                s.detok.flush()
-            self.scheduler.finish(req, status)
+        stop = s.detok.stopped_by
+        if stop is not None and by_token in (None, RequestStatus.FINISHED_LENGTH):
+            self.scheduler.stop_by_string(req, stop)
+        elif by_token is not None and stop is None:
+            s.detok.flush()
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = []
@@ -328,8 +375,11 @@ class LLMEngine:
         metrics = dict(arrival_time=parent.arrival, first_scheduled_time=first.first_scheduled_time,
                        first_token_time=first.first_token_time, last_token_time=first.last_token_time,
                        num_preemptions=sum(self.seqs[s].req.num_preemptions for s in parent.seq_ids))
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, finished,
-                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
+        out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, finished,
+                            num_cached_tokens=max(first.num_cached_tokens, 0), metrics=metrics)
+        if finished and first.kv_transfer_params_out is not None:
+            out.kv_transfer_params = first.kv_transfer_params_out
+        return out
 
     def _retire(self, parent: _Parent) -> None:
         for sid in parent.seq_ids:
@@ -341,20 +391,26 @@ class LLMEngine:
         sch = self.scheduler
         kda_total = len(self.layout.kda_groups) and (self.num_blocks - 1)
         kv = self.kv_manager
-        return dict(
-            running=len(sch.running), waiting=len(sch.waiting), free_pages=self.pool.num_free,
+        pc, ss = kv.stats, sch.stats
+        out = dict(
+            running=len(sch.running), waiting=len(sch.waiting) + len(sch.loading), free_pages=self.pool.num_free,
             total_pages=self.pool.num_usable, kv_usage=self.pool.usage(),
-            kda_slots_used=kv.num_kda_blocks_in_use() + sum(
-                1 for b in self.pool.cached.values() if b.kind == "kda"),
-            kda_slots_total=kda_total, num_preemptions=sch.num_preemptions,
-            prefix_cache_queries=kv.stats["queries"], prefix_cache_hits=kv.stats["hits"],
-            prefix_cache_mla_hits=kv.stats["mla_hits"], prefix_cache_kda_hits=kv.stats["kda_hits"],
-            kda_snapshots_stored=kv.stats["snapshots_stored"], kda_snapshots_evicted=self.pool.num_evicted_kda,
-            prefill_tokens_computed=sch.prefill_tokens_computed,
-            prefill_tokens_skipped=sch.prefill_tokens_skipped,
+            kda_slots_used=kv.num_kda_blocks_in_use() + kv.num_cached_kda_blocks(),
+            kda_slots_total=kda_total, num_preemptions=ss.num_preemptions,
+            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
+            prefix_cache_mla_hits=pc.mla_hits, prefix_cache_kda_hits=pc.kda_hits,
+            kda_snapshots_stored=kv.kda.stats.stored, kda_snapshots_evicted=kv.num_evicted_kda(),
+            prefill_tokens_computed=ss.prefill_tokens_computed,
+            prefill_tokens_skipped=ss.prefill_tokens_skipped,
             block_size=self.layout.block_size, page_bytes=self.layout.page_bytes,
             num_blocks=self.num_blocks, max_model_len=self.max_model_len,
         )
+        if self.connector is not None:
+            out.update(prefill_tokens_loaded=ss.prefill_tokens_loaded, kv_load_failures=ss.load_failures,
+                       kv_pages_held=sum(len(b) for q, _d, _w in sch.delayed_free.values()
+                                         for b in kv.block_ids(q)))
+            out.update(self.connector.scheduler.stats())
+        return out
 
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"

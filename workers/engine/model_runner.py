@@ -39,6 +39,56 @@ class InputBuffers:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
 
 
+class BlockTables:
+    """The runner's copy of every scheduled request's block tables and KDA slots, one row each.
+
+    Kept from the scheduler's deltas (workers/engine/scheduler_output.py): a request's row is
+    written once from its `NewRequestData`, extended by each chunk's `new_block_ids`, and dropped
+    when its id is in `finished_req_ids` or `preempted`."""
+
+    def __init__(self, num_mla: int, num_kda: int, max_rows: int, max_blocks: int):
+        self.mla = [np.zeros((max_rows, max_blocks), dtype=np.int32) for _ in range(num_mla)]
+        self.kda = [np.zeros(max_rows, dtype=np.int64) for _ in range(num_kda)]
+        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+
+    def apply(self, sched: SchedulerOutput) -> None:
+        row_of = self.row_of
+        for rid in sched.finished_req_ids:
+            r = row_of.pop(rid, None)
+            if r is not None:
+                self.free_rows.append(r)
+        for rid in sched.preempted:
+            r = row_of.pop(rid, None)
+            if r is not None:
+                self.free_rows.append(r)
+        for nr in sched.new_requests:
+            r = row_of.get(nr.request_id)
+            if r is None:
+                r = self.free_rows.pop()
+                row_of[nr.request_id] = r
+            n = len(nr.block_ids[0]) if nr.block_ids else 0
+            for gi, ids in enumerate(nr.block_ids):
+                self.mla[gi][r, :n] = ids
+                self.mla[gi][r, n:] = 0  # nothing of the row's previous request stays
+            self.num_blocks[r] = n
+            for gi, slot in enumerate(nr.kda_slots):
+                self.kda[gi][r] = slot
+        mla, nb = self.mla, self.num_blocks
+        for c in sched.chunks:
+            if c.new_block_ids:
+                r = row_of[c.request_id]
+                n0 = nb[r]
+                for gi, ids in enumerate(c.new_block_ids):
+                    mla[gi][r, n0:n0 + len(ids)] = ids
+                nb[r] = n0 + len(c.new_block_ids[0])
+
+    def rows(self, chunks) -> np.ndarray:
+        row_of = self.row_of
+        return np.fromiter((row_of[c.request_id] for c in chunks), dtype=np.int64, count=len(chunks))
+
+
 class InputPreparer:
     """SchedulerOutput -> ForwardBatch (views of the persistent buffers)."""
 
@@ -48,6 +98,11 @@ class InputPreparer:
         self.device = torch.device(device)
         self.max_blocks = math.ceil(max_model_len / layout.block_size)
         self.buf = InputBuffers(layout, max_num_batched_tokens, max_num_seqs, self.max_blocks, self.device)
+        self.tables = BlockTables(len(layout.mla_groups), len(layout.kda_groups), max_num_seqs, self.max_blocks)
+
+    def apply(self, sched: SchedulerOutput) -> None:
+        """Bring the block tables up to date with this step's deltas (call once per step)."""
+        self.tables.apply(sched)
 
     def prepare_decode(self, sched: SchedulerOutput | None, size: int) -> ForwardBatch:
         """A decode-only step as a fixed-shape batch of `size` rows (same buffers, same shapes every
@@ -56,7 +111,8 @@ class InputPreparer:
         allocated null block 0. `sched=None` gives an all-padding batch (graph capture)."""
         chunks = sched.chunks if sched is not None else []
         n = len(chunks)
-        buf, B = self.buf, self.layout.block_size
+        buf, B, tb = self.buf, self.layout.block_size, self.tables
+        rows = tb.rows(chunks)
         pos = np.zeros(size, dtype=np.int64)
         pos[:n] = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
         ids = np.zeros(size, dtype=np.int64)
@@ -75,15 +131,13 @@ class InputPreparer:
         seq[:n] = pos[:n] + 1
         seq_lens = put(buf.seq_lens, seq)
         init = np.zeros(size, dtype=bool)
-        init[:n] = [c.plan.has_initial_state for c in chunks]
+        init[:n] = pos[:n] > 0
         has_init = buf.has_initial_state[:size]
         has_init.copy_(torch.from_numpy(init))
         block_tables, slot_mapping = [], []
         for gi in range(len(self.layout.mla_groups)):
             bt = np.zeros((size, self.max_blocks), dtype=np.int32)
-            for r, c in enumerate(chunks):
-                row = c.plan.mla_block_ids[gi]
-                bt[r, : len(row)] = row
+            bt[:n] = tb.mla[gi][rows]
             slots = np.full(size, -1, dtype=np.int64)
             slots[:n] = bt[np.arange(n), pos[:n] // B].astype(np.int64) * B + pos[:n] % B
             bt_t = buf.block_tables[gi][:size]
@@ -93,7 +147,7 @@ class InputPreparer:
         state_indices = []
         for gi in range(len(self.layout.kda_groups)):
             si = np.full(size, -1, dtype=np.int64)
-            si[:n] = np.fromiter((c.plan.kda_slots[gi] for c in chunks), np.int64, n)
+            si[:n] = tb.kda[gi][rows]
             state_indices.append(put(buf.state_indices[gi], si))
         logits_idx = put(buf.logits_indices, ar[:size])
         return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
@@ -102,14 +156,21 @@ class InputPreparer:
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         chunks = sched.chunks
         nseq = len(chunks)
+        tb = self.tables
+        rows = tb.rows(chunks)
         qlens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=nseq)
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=nseq)
         T = int(qlens.sum())
         cu = np.zeros(nseq + 1, dtype=np.int64)
         np.cumsum(qlens, out=cu[1:])
-        ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=T)
-        seq_of_tok = np.repeat(np.arange(nseq), qlens)
-        positions = np.repeat(starts, qlens) + (np.arange(T) - np.repeat(cu[:-1], qlens))
+        if T == nseq:
+            ids = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=T)
+            seq_of_tok = np.arange(nseq)
+            positions = starts
+        else:
+            ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=T)
+            seq_of_tok = np.repeat(np.arange(nseq), qlens)
+            positions = np.repeat(starts, qlens) + (np.arange(T) - np.repeat(cu[:-1], qlens))
         buf = self.buf
         dev = self.device
 
@@ -123,15 +184,12 @@ class InputPreparer:
         cu_t = put(buf.cu_seqlens, cu)
         seq_lens = put(buf.seq_lens, starts + qlens)
         has_init = buf.has_initial_state[:nseq]
-        has_init.copy_(torch.tensor([c.plan.has_initial_state for c in chunks], dtype=torch.bool))
+        has_init.copy_(torch.from_numpy(starts > 0))
         B = self.layout.block_size
         block_tables, slot_mapping = [], []
+        width = int(tb.num_blocks[rows].max()) if nseq else 0
         for gi in range(len(self.layout.mla_groups)):
-            width = max(len(c.plan.mla_block_ids[gi]) for c in chunks)
-            bt = np.zeros((nseq, width), dtype=np.int32)
-            for r, c in enumerate(chunks):
-                row = c.plan.mla_block_ids[gi]
-                bt[r, : len(row)] = row
+            bt = tb.mla[gi][rows, :width]
             slots = bt[seq_of_tok, positions // B].astype(np.int64) * B + positions % B
             bt_t = buf.block_tables[gi][:nseq, :width]
             bt_t.copy_(torch.from_numpy(bt))
@@ -139,11 +197,12 @@ class InputPreparer:
             slot_mapping.append(put(buf.slot_mapping[gi], slots))
         state_indices = []
         for gi in range(len(self.layout.kda_groups)):
-            state_indices.append(put(buf.state_indices[gi],
-                                     np.fromiter((c.plan.kda_slots[gi] for c in chunks), np.int64, nseq)))
+            state_indices.append(put(buf.state_indices[gi], tb.kda[gi][rows]))
         ck_seq, ck_off, ck_slots = [], [], [[] for _ in self.layout.kda_groups]
         for r, c in enumerate(chunks):
-            for off, slots in c.plan.checkpoints:
+            if not c.checkpoints:
+                continue
+            for off, slots in c.checkpoints:
                 ck_seq.append(r)
                 ck_off.append(off)
                 for gi, s in enumerate(slots):
@@ -159,7 +218,6 @@ class InputPreparer:
         return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
                             has_init, ckpt[0], ckpt[1], ckpt[2], logits_idx,
                             is_decode=T == nseq and not ck_seq)
-
 
 
 class ModelRunner:
@@ -181,10 +239,14 @@ class ModelRunner:
         self._graph_pool = None
         self.num_static_decode_steps = 0
 
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns logits for the chunks with `sample=True`, in chunk order."""
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """Run one step; returns logits for the chunks with `sample=True`, in chunk order (None for
+        a step with no chunks: only the block-table deltas and page copies are applied)."""
+        self.inputs.apply(sched)
         self.kv.copy_blocks(sched.copies)
         n = len(sched.chunks)
+        if not n:
+            return None
         if self.static_decode and n <= self.capture_sizes[-1] and _decode_only(sched):
             size = next(c for c in self.capture_sizes if c >= n)
             if self.device.type != "cuda":
@@ -254,7 +316,7 @@ class _Graph:
 
 
 def _decode_only(sched: SchedulerOutput) -> bool:
-    return all(len(c.token_ids) == 1 and c.sample and not c.plan.checkpoints for c in sched.chunks)
+    return all(len(c.token_ids) == 1 and c.sample and not c.checkpoints for c in sched.chunks)
 
 
 def capture_sizes(limit: int) -> list[int]:

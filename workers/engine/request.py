@@ -11,6 +11,7 @@ from k3serve.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # pages allocated, a connector's async load in flight
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -52,6 +53,11 @@ class Request:
     # length the current prefill must reach before sampling resumes (prompt, or prompt+output
     # after a preemption)
     prefill_end: int = 0
+    # KV connectors (workers/engine/kv_connector/base.py)
+    kv_transfer_params: dict | None = None  # given with the request (e.g. from a P/D prefill peer)
+    kv_transfer_params_out: dict | None = None  # returned by the connector at finish
+    num_external_tokens: int = 0  # tokens a connector loaded at the last admission
+    kv_load_failed: bool = False  # a connector load failed: recompute, ask no connector again
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

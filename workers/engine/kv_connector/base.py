@@ -67,7 +67,8 @@ class ConnectorContext:
     device: str  # "cpu" | "cuda[:i]"
     engine_id: str  # unique per engine process (P/D peers use it)
     enable_prefix_caching: bool
-    extra_config: dict[str, Any] = field(default_factory=dict)  # this connector's own options
+    args: Any = None  # the engine's EngineArgs: a connector's options are EngineArgs fields of their own
+    extra_config: dict[str, Any] = field(default_factory=dict)  # options of a connector built by hand
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,9 @@ class KVConnectorOutput:
     failed_recving: loads that failed: those requests recompute from their local hit (never lost).
     released_blocks: blocks the scheduler half asked to hold (`hold_block`) whose save is done
         (one entry per hold).
-    stats: connector counters (plain numbers, cumulative), merged into `LLMEngine.stats()` under
-        the connector's `stats_prefix`.
+    stats: the worker half's counters (plain numbers, cumulative, keys without the prefix); they
+        appear in `LLMEngine.stats()` under the connector's `stats_prefix`, next to the scheduler
+        half's `stats()`.
     """
 
     finished_recving: set[str] = field(default_factory=set)
@@ -207,6 +209,7 @@ class KVConnectorScheduler:
     kind: ConnectorKind = ConnectorKind.TIER
     name: str = "connector"
     stats_prefix: str = ""  # e.g. "kv_offload_" -> LLMEngine.stats()["kv_offload_hit_tokens"]
+    wants_blocks_stored: bool = False  # True: on_blocks_stored is called (costs a call per keyed page)
 
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
@@ -241,8 +244,9 @@ class KVConnectorScheduler:
         """A KDA snapshot is retained at an exact boundary this step."""
 
     def on_blocks_stored(self, request: Request, keys: list[tuple[int, CachedKey]]) -> None:
-        """Device blocks (block id, key) keyed in the prefix cache this step (MLA pages and KDA
-        snapshots): a store connector that saves on compute uses this instead of on_block_evicted."""
+        """MLA pages (block id, key) keyed in the prefix cache this step (only when
+        `wants_blocks_stored`); KDA snapshots come through on_boundary_snapshot. A store connector
+        that saves on compute uses this instead of on_block_evicted."""
 
     # finish
     def request_finished(self, request: Request, block_ids: BlockIds) -> FinishResult:

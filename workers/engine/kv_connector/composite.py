@@ -45,8 +45,10 @@ class CompositeScheduler(KVConnectorScheduler):
         self.transfer = transfers[0] if transfers else None
         self.tiers = [c for c in children if c.kind is ConnectorKind.TIER]
         self.children = ([self.transfer] if self.transfer else []) + self.tiers
+        self.wants_blocks_stored = any(c.wants_blocks_stored for c in self.children)
         self._chosen: dict[str, int] = {}  # request id -> index into children (last lookup)
         self._pending_free: dict[str, set[int]] = {}  # request id -> children still sending
+        self._worker_stats: dict[str, float] = {}  # the worker halves' latest counters, prefixed
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> MatchResult:
         self._chosen.pop(request.request_id, None)
@@ -80,6 +82,8 @@ class CompositeScheduler(KVConnectorScheduler):
         done: set[str] = set()
         for i, (c, part) in enumerate(zip(self.children, parts)):
             c.update_connector_output(part)
+            for k, v in part.stats.items():
+                self._worker_stats[c.stats_prefix + k] = v
             for rid in part.finished_sending:
                 waiting = self._pending_free.get(rid)
                 if waiting is not None:
@@ -100,7 +104,8 @@ class CompositeScheduler(KVConnectorScheduler):
 
     def on_blocks_stored(self, request, keys) -> None:
         for c in self.children:
-            c.on_blocks_stored(request, keys)
+            if c.wants_blocks_stored:
+                c.on_blocks_stored(request, keys)
 
     def request_finished(self, request, block_ids: BlockIds) -> FinishResult:
         delayed: set[int] = set()
@@ -127,7 +132,7 @@ class CompositeScheduler(KVConnectorScheduler):
         return [b for c in self.children for b in c.take_hold_requests()]
 
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+        out: dict[str, float] = dict(self._worker_stats)
         for c in self.children:
             out.update({c.stats_prefix + k: v for k, v in c.stats().items()})
         return out

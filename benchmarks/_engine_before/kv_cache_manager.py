@@ -30,10 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from _engine_before.block_pool import Block, BlockPool
+from _engine_before.request import Request
 from k3serve.common.block_hash import chain_hashes, root_hash
-from k3serve.workers.engine.block_pool import Block, BlockPool
 from k3serve.workers.engine.cache_layout import CacheLayout
-from k3serve.workers.engine.request import Request
 
 
 @dataclass
