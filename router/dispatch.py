@@ -34,7 +34,12 @@ from k3serve.detokenizer import IncrementalDetokenizer
 from k3serve.openai_api import protocol as P
 from k3serve.openai_api.deltas import SeqDelta
 from k3serve.proto import worker_pb2 as pb
-from k3serve.proto.convert import deltas_from_proto, sampling_to_proto
+from k3serve.proto.convert import (
+    deltas_from_proto,
+    kv_transfer_params_from_proto,
+    kv_transfer_params_to_proto,
+    sampling_to_proto,
+)
 from k3serve.router.prefix_index import Hit
 
 log = logging.getLogger("k3serve.router.dispatch")
@@ -62,18 +67,21 @@ class _Sub:
     worker: object
     index_map: dict[int, int]
     task: asyncio.Task | None = None
-    predicted: int = 0
+    kv_params: dict | None = None  # P/D: the prefill's transfer parameters (decode hop)
 
 
 class Dispatcher:
     def __init__(self, registry, index, policy, *, fingerprint: bytes, unit: int | None, metrics,
-                 model_name: str, tokenizer=None, max_attempts: int = 3, role: str = "decode"):
+                 model_name: str, tokenizer=None, max_attempts: int = 3, role: str = "decode",
+                 pd_threshold: int = 64, prefill_timeout: float = 300.0):
         self.registry, self.index, self.policy = registry, index, policy
         self.fingerprint, self.unit = fingerprint, unit
         self.metrics, self.model_name = metrics, model_name
         self.max_attempts = max_attempts
         self.tokenizer = tokenizer
         self.role = role
+        self.pd_threshold = pd_threshold  # skip the prefill hop when at most this many tokens are uncached
+        self.prefill_timeout = prefill_timeout
         self._ids = itertools.count()
 
     def hash_unit(self, candidates) -> int | None:
@@ -83,21 +91,38 @@ class Dispatcher:
         sizes.discard(0)
         return min(sizes) if len(sizes) == 1 else None
 
-    def choose(self, prompt_ids: list[int], cache_salt: str | None, exclude: set[str]):
-        """(worker, Hit) for a prompt, or None when no worker can take it."""
-        cands = self.registry.candidates(self.role, exclude)
+    def _hits(self, cands, prompt_ids: list[int], cache_salt: str | None) -> dict[int, Hit]:
+        unit = self.hash_unit(cands)
+        if not unit:
+            return {}
+        hashes = chain_hashes(root_hash(self.fingerprint, cache_salt), prompt_ids, unit)
+        return self.index.predict(hashes, len(prompt_ids), unit, [w.slot for w in cands])
+
+    def choose(self, prompt_ids: list[int], cache_salt: str | None, exclude: set[str], role: str | None = None):
+        """(worker, Hit) for a prompt by the policy, or None when no worker can take it."""
+        cands = self.registry.candidates(role or self.role, exclude)
         if not cands:
             return None
-        hits: dict[int, Hit] = {}
         t0 = time.perf_counter()
-        if self.policy.uses_hits:
-            unit = self.hash_unit(cands)
-            if unit:
-                hashes = chain_hashes(root_hash(self.fingerprint, cache_salt), prompt_ids, unit)
-                hits = self.index.predict(hashes, len(prompt_ids), unit, [w.slot for w in cands])
+        hits = self._hits(cands, prompt_ids, cache_salt) if self.policy.uses_hits else {}
         choice = self.policy.choose(cands, hits, len(prompt_ids))
         self.metrics.decision(self.policy.name, choice.reason, time.perf_counter() - t0)
         return choice.worker, choice.hit
+
+    def pd_enabled(self) -> bool:
+        return any(w.role == "prefill" for w in self.registry.candidates("prefill"))
+
+    def choose_decode(self, prompt_ids: list[int], cache_salt: str | None, exclude: set[str]):
+        """P/D: the decode worker by load, then free pages; with its own predicted hit (it checks its cache
+        before pulling)."""
+        cands = [w for w in self.registry.candidates("decode", exclude) if w.role != "prefill"]
+        if not cands:
+            return None
+        from k3serve.router.policy import load_of
+
+        w = min(cands, key=lambda c: (load_of(c, self.policy.weights), -int(c.load.get("free_pages", 0)), c.address))
+        hits = self._hits([w], prompt_ids, cache_salt)
+        return w, hits.get(w.slot, Hit(0, 0))
 
     def start(self, job: Job) -> Run:
         return Run(self, job)
@@ -112,6 +137,7 @@ class Run:
         self.prompt_tokens = len(job.prompt_ids)
         self.cached_tokens = 0
         self.worker = None
+        self.prefill_worker = None
         self.predicted: Hit | None = None
         self.resumptions = 0
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -124,22 +150,84 @@ class Run:
 
     # -- routing -------------------------------------------------------------------------------
     async def route(self) -> None:
-        """Choose the first worker (so its name and the predicted hit can go into response headers)."""
-        got = self.d.choose(self.job.prompt_ids, self.job.cache_salt, set())
+        """Choose the worker(s) first (so the names and the predicted hit can go into response headers).
+
+        P/D (some worker has the prefill role): the decode worker by load and free pages; a prefill worker by
+        the policy's score, unless the decode worker would compute at most `pd_threshold` uncached tokens."""
+        d, job = self.d, self.job
+        got = None
+        if d.pd_enabled():
+            got = d.choose_decode(job.prompt_ids, job.cache_salt, set())
+            if got is not None:
+                self.worker, self.predicted = got
+                if len(job.prompt_ids) - self.predicted.usable > d.pd_threshold:
+                    pre = d.choose(job.prompt_ids, job.cache_salt, {self.worker.address}, role="prefill")
+                    if pre is not None:
+                        self.prefill_worker, self.predicted = pre
+                else:
+                    d.metrics.decision(d.policy.name, "pd-skip", 0.0)
+        else:
+            got = d.choose(job.prompt_ids, job.cache_salt, set())
+            if got is not None:
+                self.worker, self.predicted = got
         if got is None:
             raise P.ProtocolError("No worker is available to serve this request; retry later.", status_code=503,
                                   code="no_worker_available")
-        self.worker, self.predicted = got
-        self.d.metrics.hit(self.predicted.usable)
+        d.metrics.hit(self.predicted.usable)
 
-    def _launch(self, worker, prompt_ids: list[int], sampling: dict, index_map: dict[int, int]) -> _Sub:
-        sub = _Sub(next(self._sids), worker, index_map)
+    async def _prefill(self) -> dict | None:
+        """The prefill hop (docs/serving.md "P/D"): the transfer parameters for the decode worker, or None
+        when no prefill worker managed it (the decode worker then computes the whole prompt)."""
+        job, d = self.job, self.d
+        w, tried = self.prefill_worker, set()
+        while w is not None:
+            req = pb.GenerateRequest(request_id=f"{job.rid}-p{len(tried)}", prompt_token_ids=job.prompt_ids,
+                                     sampling_params=sampling_to_proto(job.sampling),
+                                     kv_transfer_params=kv_transfer_params_to_proto({"do_remote_decode": True}))
+            if job.cache_salt is not None:
+                req.cache_salt = job.cache_salt
+            w.inflight += 1
+            w.inflight_tokens += len(job.prompt_ids)
+            call = w.stub.Generate(req, timeout=d.prefill_timeout)
+            try:
+                last = None
+                async for resp in call:
+                    last = resp
+                if last is not None and last.HasField("kv_transfer_params"):
+                    params = kv_transfer_params_from_proto(last.kv_transfer_params)
+                    params.update(do_remote_decode=False, do_remote_prefill=True)
+                    return params
+                reason = "the prefill worker answered without transfer parameters"
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise P.ProtocolError(e.details() or "invalid request") from None
+                reason = f"{e.code().name}: {e.details()}"
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    d.registry.eject(w, reason)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            finally:
+                w.inflight -= 1
+                w.inflight_tokens -= len(job.prompt_ids)
+            log.warning("request %s: prefill on %s failed (%s)", job.rid, w.address, reason)
+            d.metrics.retry("prefill")
+            tried.add(w.address)
+            nxt = d.choose(job.prompt_ids, job.cache_salt, tried | {self.worker.address}, role="prefill")
+            w = nxt[0] if nxt is not None and len(tried) < d.max_attempts else None
+        return None
+
+    def _launch(self, worker, prompt_ids: list[int], sampling: dict, index_map: dict[int, int],
+                kv_params: dict | None = None) -> _Sub:
+        sub = _Sub(next(self._sids), worker, index_map, kv_params=kv_params)
         self._subs[sub.sid] = sub
         req = pb.GenerateRequest(request_id=f"{self.job.rid}-{sub.sid}", prompt_token_ids=prompt_ids,
                                  sampling_params=sampling_to_proto(sampling))
         if self.job.cache_salt is not None:
             req.cache_salt = self.job.cache_salt
-        uncached = len(prompt_ids)
+        if kv_params is not None:
+            req.kv_transfer_params.CopyFrom(kv_transfer_params_to_proto(kv_params))
+        uncached = len(prompt_ids) if kv_params is None else 1
         worker.inflight += 1
         worker.inflight_tokens += uncached
         sub.task = asyncio.ensure_future(self._pump(sub, req, uncached))
@@ -174,7 +262,8 @@ class Run:
         job = self.job
         if self.worker is None:
             await self.route()
-        self._first = self._launch(self.worker, job.prompt_ids, job.sampling, {i: i for i in range(job.n)})
+        params = await self._prefill() if self.prefill_worker is not None else None
+        self._first = self._launch(self.worker, job.prompt_ids, job.sampling, {i: i for i in range(job.n)}, params)
         self.attempts = {i: 1 for i in range(job.n)}
         while len(self.finished) < job.n:
             sid, item = await self._queue.get()
@@ -243,6 +332,15 @@ class Run:
             return
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
             raise P.ProtocolError(err.details or err.reason)
+        if err.code == grpc.StatusCode.FAILED_PRECONDITION and sub.kv_params is not None:
+            # the pair cannot exchange state (docs/serving.md "P/D" 4.): the decode worker computes it all
+            log.warning("request %s: %s refused the transfer (%s); recomputing there", job.rid, sub.worker.address,
+                        err.details)
+            self.d.metrics.retry("transfer_refused")
+            new = self._launch(sub.worker, job.prompt_ids, job.sampling, dict(sub.index_map))
+            if sub is self._first:
+                self._first = new
+            return
         progressed = any(self.tokens[c] for c in unfinished)
         reason = "resume" if progressed else "retry"
         self.d.registry.eject(sub.worker, err.reason)

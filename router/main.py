@@ -77,6 +77,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-weight", type=float, default=1.0, help="cost per token of load")
     p.add_argument("--request-tokens", type=int, default=256,
                    help="load of one running request, in prefill-token equivalents")
+    p.add_argument("--pd-threshold", type=int, default=64,
+                   help="P/D: skip the prefill hop when the decode worker would compute at most this many tokens")
+    p.add_argument("--prefill-timeout", type=_positive, default=300.0, help="P/D: seconds for the prefill hop")
     p.add_argument("--seed", type=int, default=None, help="seed of the random policy")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -146,15 +149,12 @@ async def serve(args, *, ready=None) -> int:
     index = PrefixIndex()
     registry = Registry(index, health_interval=args.health_interval,
                         on_change=lambda: metrics.workers(registry.counts()))
-    pd = bool(args.prefill_workers or args.prefill_selector)
     policy = make_policy(args.policy, Weights(args.prefill_weight, args.load_weight, args.request_tokens), args.seed)
     dispatcher = Dispatcher(registry, index, policy, fingerprint=fp, unit=args.prefix_match_unit, metrics=metrics,
-                            model_name=names[0], tokenizer=tok, max_attempts=args.max_attempts, role="decode")
+                            model_name=names[0], tokenizer=tok, max_attempts=args.max_attempts, role="decode",
+                            pd_threshold=args.pd_threshold, prefill_timeout=args.prefill_timeout)
     gw = Gateway(tokenizer=tok, model_names=list(names), vocab_size=vocab, dispatcher=dispatcher, metrics=metrics,
                  max_model_len=args.max_model_len, request_timeout=args.request_timeout)
-    if pd:
-        log.warning("prefill workers given: P/D orchestration is not wired yet; requests go to decode-capable "
-                    "workers only")
     discovery = None
     if args.discovery == "kubernetes":
         from k3serve.router.kube import KubernetesDiscovery
