@@ -442,8 +442,23 @@ def test_delete_leaves_owned_children_to_the_garbage_collector_and_removes_the_r
         assert remaining[key]["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
 
 
-def test_operator_metrics_are_exported_and_catalogued(cluster):
-    text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).text
+def test_operator_metrics_are_exported_and_catalogued(cluster, ns):
+    """Standalone: it makes the create/ok, create/invalid and update/ok reconciles it asserts."""
+    cluster.create(ns, sample("tiny-cpu.yaml"))
+    cluster.wait_status(ns, "tiny", lambda s: s.get("observedGeneration") == 1, "status")
+    cluster.patch(CRS, ns, "tiny", {"spec": {"router": {"policy": "least-loaded"}}})
+    cluster.wait_status(ns, "tiny", lambda s: s.get("observedGeneration") == 2, "generation 2")
+    bad = sample("tiny-cpu.yaml")
+    bad["metadata"]["name"] = "tiny-bad"
+    bad["spec"]["router"]["policy"] = "fastest"
+    cluster.create(ns, bad)
+    cluster.wait_status(ns, "tiny-bad", lambda s: s.get("phase") == "Degraded", "phase Degraded")
+
+    def scrape():
+        text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).text
+        return text if 'handler="update",result="ok"' in text and 'result="invalid"' in text else None
+
+    text = wait_for("the reconcile counters", scrape, timeout=30, log=cluster.log)
     names = {
         line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("k3serve_operator")
     }
@@ -458,7 +473,9 @@ def test_operator_metrics_are_exported_and_catalogued(cluster):
     assert 'k3serve_operator_reconciles_total{handler="update",result="ok"}' in text
 
 
-def test_operator_log_has_no_tracebacks(cluster):
+def test_operator_log_has_no_tracebacks(cluster, ns):
+    cluster.create(ns, sample("tiny-cpu.yaml"))  # standalone: at least one reconcile is in the log
+    cluster.wait_status(ns, "tiny", lambda s: s.get("observedGeneration") == 1, "status")
     with open(cluster.log, encoding="utf-8") as f:
         log = f.read()
     assert "Traceback" not in log, log[-3000:]

@@ -350,3 +350,62 @@ def test_quantities_and_defaults():
     }
     assert apply_defaults(schema, {"l": [{}]}) == {"a": {"b": 3}, "l": [{"c": "d"}]}
     assert apply_defaults(schema, {"a": {"b": 5}}) == {"a": {"b": 5}}
+
+
+# --- the pod contract's security fields, read from docs/components.md (not from the renderer) ----------
+
+def _contract_rows() -> dict[str, str]:
+    with open(os.path.join(ROOT, "docs", "components.md"), encoding="utf-8") as f:
+        section = f.read().split("## Common to every pod", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| (\w[\w ]*?) \| (.+?) \|$", section, flags=re.M)}
+
+
+def _all_pod_templates(objects: list[dict]) -> list[tuple[str, dict]]:
+    out = []
+    for o in objects:
+        if o["kind"] in ("StatefulSet", "Deployment"):
+            out.append((o["metadata"]["name"], o["spec"]["template"]))
+        elif o["kind"] == "LeaderWorkerSet":
+            lwt = o["spec"]["leaderWorkerTemplate"]
+            out += [(f"{o['metadata']['name']}/{k}", lwt[k]) for k in ("leaderTemplate", "workerTemplate") if k in lwt]
+    return out
+
+
+# each phrase of the contract's `hardening` row and the check it means for (pod spec, container)
+HARDENING = {
+    "read-only root filesystem": lambda spec, c: c["securityContext"]["readOnlyRootFilesystem"] is True,
+    "`allowPrivilegeEscalation: false`": lambda spec, c: c["securityContext"]["allowPrivilegeEscalation"] is False,
+    "every capability dropped": lambda spec, c: c["securityContext"]["capabilities"] == {"drop": ["ALL"]},
+    "seccomp `RuntimeDefault`": lambda spec, c: spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"},
+    "`enableServiceLinks: false`": lambda spec, c: spec["enableServiceLinks"] is False,
+}
+
+
+@pytest.mark.parametrize("name,lws", CASES)
+def test_pod_security_fields_are_the_documented_contract(name, lws):
+    """User, group, fsGroup, hardening and writable paths of every rendered pod, each value taken from the
+    `Common to every pod` table of docs/components.md (so dropping fsGroup or runAsUser from the renderer
+    fails here, whatever the other tests render)."""
+    rows = _contract_rows()
+    uid = int(re.fullmatch(r"UID/GID (\d+), `runAsNonRoot`, `fsGroup` (\d+)", rows["user"]).group(1))
+    fs_group = int(re.fullmatch(r"UID/GID (\d+), `runAsNonRoot`, `fsGroup` (\d+)", rows["user"]).group(2))
+    phrases = [p.strip() for p in rows["hardening"].split(", ")]
+    assert set(phrases) == set(HARDENING), f"docs/components.md hardening changed: {phrases}"
+    writable = rows["writable paths"]
+    assert "`/tmp` (emptyDir)" in writable and "`/var/cache/k3serve` (emptyDir" in writable
+    assert "workers also `/dev/shm` (in-memory emptyDir" in writable
+    templates = _all_pod_templates(render(sample(name), RenderOptions(lws=lws)).objects)
+    assert len(templates) >= 4
+    for tname, template in templates:
+        spec = template["spec"]
+        psc = spec["securityContext"]
+        assert (psc["runAsUser"], psc["runAsGroup"], psc["runAsNonRoot"], psc["fsGroup"]) == \
+            (uid, uid, True, fs_group), tname
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for c in spec["containers"]:
+            for phrase, ok in HARDENING.items():
+                assert ok(spec, c), (tname, phrase)
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+            assert "emptyDir" in mounts["/tmp"] and "emptyDir" in mounts["/var/cache/k3serve"], tname
+            if template["metadata"]["labels"][n.LABEL_ROLE] in ("prefill", "decode"):
+                assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory", tname
