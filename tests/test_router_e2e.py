@@ -235,6 +235,24 @@ def test_client_disconnect_aborts_on_worker(platform):
     _wait(lambda: all(w["load"].get("running", 0) == 0 for w in _workers(url)), 10, "the worker to abort it")
 
 
+def test_bench_random_and_agentic_json(platform, tmp_path):
+    out = tmp_path / "bench.json"
+    for extra in (["--dataset", "random", "--num-prompts", "4", "--random-input-len", "40", "--random-output-len", "3",
+                   "--max-concurrency", "1,2"],
+                  ["--dataset", "agentic", "--sessions", "2", "--turns", "2", "--shared-prefix-len", "40", "--task-len", "8", "--turn-len", "4",
+                   "--output-len", "2", "--max-concurrency", "2"]):
+        r = subprocess.run([sys.executable, "-m", "k3serve.cli", "bench", "--base-url", platform["url"],
+                            "--result-file", str(out), "--no-progress", *extra], capture_output=True, text=True,
+                           timeout=180, env=dict(os.environ, PYTHONSAFEPATH="1"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        runs = json.loads(out.read_text())["runs"]
+        for run in runs:
+            assert run["failed"] == 0 and run["completed"] > 0
+            assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
+        assert "TTFT" in r.stdout and "p99" in r.stdout
+    assert runs[0]["cached_prompt_tokens"] > 0  # agentic turns share the system prompt and the history
+
+
 def test_kill_worker_mid_stream_completes_and_reinstates(platform, client, offline):
     from k3serve.sampling_params import SamplingParams
 
