@@ -1,0 +1,229 @@
+"""Structured outputs in the engine (k3serve.workers.structured + the sampler's mask), on the random
+tiny model: its outputs are noise, so every valid output below is valid because of the mask alone.
+
+One float64 engine for the module; batches are submitted together so each test costs a few dozen steps.
+"""
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from k3serve.chat import parse_output
+from k3serve.chat.renderer import render_chat
+from k3serve.proto.convert import sampling_kwargs_from_proto, sampling_to_proto
+from k3serve.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from k3serve.workers.llm import LLM
+from k3serve.workers.structured import StructuredOutputError
+
+WORDS = ["red", "green", "blue", "a b", "x\"y", "<tag>", "ünï"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float64", max_model_len=1024)
+
+
+def random_property(rng: random.Random, depth: int) -> dict:
+    kind = rng.choice(["int", "str", "enum", "bool", "null", "arr"] + (["obj"] if depth == 0 else []))
+    if kind == "int":
+        lo = rng.randint(-20, 20)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 40)}
+    if kind == "str":
+        return {"type": "string", "minLength": rng.randint(0, 1), "maxLength": rng.randint(1, 4)}
+    if kind == "enum":
+        return {"type": "string", "enum": rng.sample(WORDS, rng.randint(1, 3))}
+    if kind == "arr":
+        return {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": rng.randint(0, 1), "maxItems": 2}
+    if kind == "obj":
+        return random_schema(rng, depth + 1)
+    return {"type": {"bool": "boolean", "null": "null"}[kind]}
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A random object schema whose every instance is short: bounded integers, strings, enums, arrays."""
+    props = {rng.choice(["k", "name", "v", "ключ", "a b"]) + str(i): random_property(rng, depth)
+             for i in range(rng.randint(1, 3))}
+    required = [k for k in props if rng.random() < 0.7]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def test_random_bounded_schemas_always_validate(llm):
+    rng = random.Random(21)
+    schemas = [random_schema(rng) for _ in range(8)]
+    prompts, params = [], []
+    for i, schema in enumerate(schemas):
+        for seed in (i, 100 + i):
+            prompts.append([rng.randrange(300) for _ in range(rng.randint(1, 12))])
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=160,
+                                         structured_outputs={"json": schema}))
+        prompts.append([1, 2, 3])  # greedy too
+        params.append(SamplingParams(temperature=0.0, max_tokens=160, structured_outputs={"json": schema}))
+    outs = llm.generate(prompts, params)
+    per_schema = len(outs) // len(schemas)
+    for j, out in enumerate(outs):
+        schema = schemas[j // per_schema]
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", (schema, o.text)
+        jsonschema.validate(json.loads(o.text), schema)
+
+
+def test_regex_choice_grammar_json_object(llm):
+    cases = [
+        ({"regex": r"[a-c]{2,4}-\d{1,3}"}, lambda t: re.fullmatch(r"[a-c]{2,4}-\d{1,3}", t)),
+        ({"choice": ["yes", "no", "maybe so"]}, lambda t: t in ("yes", "no", "maybe so")),
+        ({"grammar": 'root ::= "(" num ("+" num)? ")"\nnum ::= [1-9] [0-9]?'},
+         lambda t: re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)?\)", t)),
+    ]
+    prompts, params, checks = [], [], []
+    for so, check in cases:
+        for seed in range(4):
+            prompts.append([5 + seed])
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=so))
+            checks.append(check)
+    for out, check in zip(llm.generate(prompts, params), checks):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop" and check(o.text), o.text
+
+
+def test_json_object_is_an_object(llm):
+    # free-form JSON is unbounded; a bias towards closing tokens keeps it short, the mask keeps it valid
+    tok = llm.tokenizer
+    bias = {tok.encode(c)[0]: 6.0 for c in ['"', "}", "]"]}
+    outs = llm.generate([[7], [8], [9]], [SamplingParams(temperature=1.0, seed=s, max_tokens=200, logit_bias=bias,
+                                                         structured_outputs={"json_object": True})
+                                          for s in range(3)])
+    for out in outs:
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", o.text
+        assert isinstance(json.loads(o.text), dict)
+
+
+def _chat_prompt(llm, thinking: bool, tools=None):
+    msgs = [{"role": "user", "content": "What is the weather?"}]
+    return render_chat(llm.tokenizer, msgs, tools=tools, thinking=thinking).token_ids
+
+
+WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "days"],
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                   "unit": {"type": "string", "enum": ["c", "f"]}}}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {
+    "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}
+NOTE = {"name": "note", "strict": True, "parameters": {"type": "object", "properties": {
+    "text": {"type": "string", "maxLength": 5}}, "required": ["text"]}}
+
+
+def _chat_params(llm, seed, **so):
+    # free text (the think channel, a response body without a constraint) is unbounded for a random model;
+    # a bias on <|close|> makes it short. Where a close marker is not allowed the mask removes it.
+    close = llm.tokenizer.special_id("<|close|>")
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=300, skip_special_tokens=False,
+                          logit_bias={close: 7.0}, structured_outputs=dict(so, k3_chat=True))
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_json_body_and_envelope(llm, thinking):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "why": {"type": "string", "maxLength": 3}},
+              "required": ["answer", "why"], "additionalProperties": False}
+    prompt = _chat_prompt(llm, thinking)
+    outs = llm.generate([prompt] * 3, [_chat_params(llm, s, json=schema, thinking=thinking) for s in range(3)])
+    for out in outs:
+        o = out.outputs[0]
+        assert o.finish_reason == "stop"
+        assert o.text.endswith("<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"), o.text
+        assert o.token_ids[-1] == llm.tokenizer.eos_token_id
+        parsed = parse_output(o.text, thinking=thinking, tools_enabled=False)
+        jsonschema.validate(json.loads(parsed.content), schema)
+        if thinking:
+            assert "<|close|>think<|sep|><|open|>response<|sep|>" in o.text
+
+
+def test_tool_choice_named_required_none(llm):
+    tools = [WEATHER, TIME, NOTE]
+    openai_tools = [{"type": "function", "function": t} for t in tools]
+    prompt = _chat_prompt(llm, False, openai_tools)
+    by_name = {t["name"]: t for t in tools}
+    cases = [("named", 0), ("named", 1), ("required", 0), ("required", 1), ("none", 0), ("auto", 0)]
+    params = []
+    for mode, seed in cases:
+        choice = {"type": "function", "function": {"name": "get_weather"}} if mode == "named" else mode
+        params.append(_chat_params(llm, seed, tools=tools, tool_choice=choice))
+    outs = llm.generate([prompt] * len(cases), params)
+    for (mode, _seed), out in zip(cases, outs):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", o.text
+        choice = "get_weather" if mode == "named" else mode
+        parsed = parse_output(o.text, thinking=False, tools_enabled=True,
+                              tool_choice=None if mode == "named" else mode)
+        if mode == "none":
+            assert parsed.tool_calls == [] and "<|open|>tools" not in o.text
+            continue
+        if mode in ("named", "required"):
+            assert parsed.tool_calls, o.text
+        if mode == "named":
+            assert [c.name for c in parsed.tool_calls] == ["get_weather"]
+        for call in parsed.tool_calls:
+            if mode == "auto" and not by_name[call.name].get("strict"):
+                continue  # auto: only strict tools' arguments are enforced
+            jsonschema.validate(json.loads(call.arguments), by_name[call.name]["parameters"])
+        assert choice
+
+
+def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm):
+    rng = random.Random(5)
+    plain = [[rng.randrange(300) for _ in range(rng.randint(2, 20))] for _ in range(3)]
+    plain_params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                    SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+                    SamplingParams(temperature=0.8, top_k=20, seed=9, max_tokens=12, ignore_eos=True)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(plain, plain_params)]
+    constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=40,
+                                  structured_outputs={"json": random_schema(rng)}) for s in range(3)]
+    mixed = llm.generate([plain[0], [3], plain[1], [4], plain[2], [5]],
+                         [plain_params[0], constrained[0], plain_params[1], constrained[1], plain_params[2],
+                          constrained[2]])
+    assert [mixed[i].outputs[0].token_ids for i in (0, 2, 4)] == alone
+
+
+def test_bad_schemas_raise_with_xgrammar_message(llm):
+    bad = [({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "missing"),
+           ({"json": {"type": "string", "pattern": "a("}}, "parenthesis"),
+           ({"regex": "a("}, "parenthesis"),
+           ({"grammar": "root ::= undefined_rule"}, "undefined_rule")]
+    for so, needle in bad:
+        with pytest.raises(StructuredOutputError, match=needle):
+            llm.generate([[1]], SamplingParams(max_tokens=4, structured_outputs=so))
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(SamplingParamsError, match="only one of"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
+    with pytest.raises(SamplingParamsError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs={"regex": "a"})
+
+
+def test_compile_cache_and_matcher_rollback(llm):
+    from k3serve.workers.structured.matcher import GrammarState, fill_bitmasks
+
+    cache = llm.engine.structured.cache
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"z": {"type": "integer"}}})
+    hits = cache.stats["hits"]
+    g1 = cache.compile_now(so)
+    g2 = cache.compile_now(StructuredOutputsParams(json={"properties": {"z": {"type": "integer"}}, "type": "object"}))
+    assert g1 is g2 and cache.stats["hits"] == hits + 1
+    st = GrammarState(g1)
+    before = fill_bitmasks([st], cache.vocab_size).clone()
+    for t in llm.tokenizer.encode('{"z": 1'):
+        assert st.accept(t)
+    assert not bool((fill_bitmasks([st], cache.vocab_size) == before).all())
+    st.rollback(st.num_accepted)
+    assert bool((fill_bitmasks([st], cache.vocab_size) == before).all())
+
+
+def test_structured_outputs_cross_the_proto():
+    so = {"json": {"type": "object"}, "k3_chat": True, "tools": [NOTE], "tool_choice": "required"}
+    kw = sampling_kwargs_from_proto(sampling_to_proto({"max_tokens": 5, "structured_outputs": so}))
+    assert kw["structured_outputs"] == so
+    assert SamplingParams(**kw).structured_outputs == StructuredOutputsParams(**so)
