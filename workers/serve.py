@@ -24,6 +24,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--api-key-file", default=None, help="file holding the API key for Bearer auth")
     add_engine_args(parser)
+    from k3serve.workers.kv_events_zmq import add_zmq_args
+
+    add_zmq_args(parser)  # --kv-events-zmq: KV events in vLLM's format (workers/kv_events_zmq.py)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +37,12 @@ def run(args: argparse.Namespace) -> int:
     api_key = read_api_key_file(args.api_key_file) if args.api_key_file else None
     sock = bind_or_exit(args.host, args.port, flag="--port", prog="k3serve serve")  # before the engine loads
     served = start_engine(args, args.model)
+    zmq_pub = None
+    if args.kv_events_zmq:
+        from k3serve.workers.kv_events_zmq import start_zmq_publisher
+
+        zmq_pub = start_zmq_publisher(served.async_engine, args.kv_events_zmq, replay_endpoint=args.kv_events_zmq_replay,
+                                      topic=args.kv_events_zmq_topic)
     app = build_app(served.async_engine, served_model_names=served.model_names, registry=served.registry,
                     api_key=api_key)
     host, port = sock.getsockname()[:2]
@@ -45,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_uvicorn(app, sock, log_level=args.log_level, on_ready=ready)
     finally:
+        if zmq_pub is not None:
+            zmq_pub.stop()
         served.async_engine.shutdown()
     if served.async_engine.error is not None:  # stopped because the engine failed (engine_cli.stop_process)
         print(f"k3serve serve: the engine failed: {served.async_engine.error}", file=sys.stderr, flush=True)
