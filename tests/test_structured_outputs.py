@@ -211,8 +211,13 @@ def test_compile_cache_and_matcher_rollback(llm):
     so = StructuredOutputsParams(json={"type": "object", "properties": {"z": {"type": "integer"}}})
     hits = cache.stats["hits"]
     g1 = cache.compile_now(so)
-    g2 = cache.compile_now(StructuredOutputsParams(json={"properties": {"z": {"type": "integer"}}, "type": "object"}))
+    g2 = cache.compile_now(StructuredOutputsParams(json={"type": "object", "properties": {"z": {"type": "integer"}}}))
     assert g1 is g2 and cache.stats["hits"] == hits + 1
+    # property order is generation order: another order is another grammar
+    two = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    flipped = dict(two, properties=dict(reversed(list(two["properties"].items()))))
+    assert cache.compile_now(StructuredOutputsParams(json=flipped)) is not cache.compile_now(
+        StructuredOutputsParams(json=two))
     st = GrammarState(g1)
     before = fill_bitmasks([st], cache.vocab_size).clone()
     for t in llm.tokenizer.encode('{"z": 1'):

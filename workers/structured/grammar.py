@@ -66,17 +66,25 @@ def close_marker(m: Markers, name: str) -> list[dict]:
     return [token(m.close), text(name), token(m.sep)]
 
 
+# XGrammar 0.2.9 writes a length-bounded JSON string's characters as [^"\\\r\n], which lets raw control
+# characters (invalid in JSON) through; the unbounded string rule excludes \0-\x1f. Same fix here.
+_BOUNDED_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_CHARS = '[^\\"\\\\\\0-\\x1f]'
+
+
 @lru_cache(maxsize=1024)
 def _json_ebnf(schema_json: str, strict: bool) -> str:
     import xgrammar as xgr
 
-    return str(xgr.Grammar.from_json_schema(schema_json, any_whitespace=False, strict_mode=strict))
+    text = str(xgr.Grammar.from_json_schema(schema_json, any_whitespace=False, strict_mode=strict))
+    return text.replace(_BOUNDED_CHARS, _JSON_CHARS)
 
 
 def json_format(schema, *, strict: bool = True, where: str = "json") -> dict:
     """A compact-JSON format for `schema` (dict or bool); XGrammar's conversion errors name `where`."""
     try:
-        return ebnf(_json_ebnf(json.dumps(schema, sort_keys=True), strict))
+        # key order kept: XGrammar emits an object's properties in the schema's order
+        return ebnf(_json_ebnf(json.dumps(schema), strict))
     except (RuntimeError, ValueError, TypeError) as e:
         raise StructuredOutputError(f"{where}: {xgrammar_message(e)}") from None
 
@@ -121,5 +129,6 @@ def structural_tag(so: StructuredOutputsParams, markers: Markers) -> dict:
 
 
 def cache_key(so: StructuredOutputsParams) -> str:
-    """One string per distinct constraint (canonical JSON of the non-default fields)."""
-    return json.dumps(so.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """One string per distinct constraint: JSON of the non-default fields, in their order (property order
+    is part of a schema's meaning: it is the order the properties are generated in)."""
+    return json.dumps(so.to_dict(), separators=(",", ":"), ensure_ascii=False)
