@@ -1,6 +1,7 @@
 """`k3serve serve` end to end: the real engine on the generated tiny checkpoint, a real subprocess, and
-the official `openai` client. The random model never emits tool calls, so tools are checked on the
-request side (rendered into the prompt) and responses for being well-formed."""
+the official `openai` client. With random weights the text is noise, so chat answers are checked for what
+is deterministic: the prompt equals the renderer's, and the answer equals the K3 parser applied to the raw
+greedy output of the same prompt."""
 
 import os
 import re
@@ -99,24 +100,53 @@ def test_chat_greedy_stream_equals_nonstream(server, tok):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
-def test_chat_tools_request_side(server, tok):
+TOOL_HISTORY = MSGS + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+CHAT_CASES = {  # name -> (messages, request fields beyond model/messages, render_chat keyword arguments)
+    "tools-auto-no-thinking": (MSGS, dict(tools=[WEATHER], tool_choice="auto",
+                                          extra_body={"chat_template_kwargs": {"thinking": False}}),
+                               dict(tools=[WEATHER], tool_choice="auto", thinking=False)),
+    "thinking": (MSGS, {}, {}),
+    "tools-after-a-tool-result": (TOOL_HISTORY, dict(tools=[WEATHER], tool_choice="auto"),
+                                  dict(tools=[WEATHER], tool_choice="auto")),
+}  # (a named tool_choice constrains decoding, so its answer is not the free greedy output)
+
+
+@pytest.mark.parametrize("case", CHAT_CASES)
+def test_chat_response_is_the_parse_of_the_raw_output(server, tok, case):
+    """What is deterministic with random weights: the prompt is exactly the renderer's, and the answer
+    (content, reasoning_content, tool calls, finish_reason) is exactly the K3 parser applied to the raw
+    greedy output, fetched separately from /v1/completions on the rendered ids (another cache salt, so
+    neither request reuses the other's cache)."""
+    from k3serve.chat import parse_output
+
     _, client = server
-    r = client.chat.completions.create(model=NAME, messages=MSGS, tools=[WEATHER], tool_choice="auto",
-                                       max_tokens=4, temperature=0,
-                                       extra_body={"chat_template_kwargs": {"thinking": False}})
-    rendered = render_chat(tok, MSGS, tools=[WEATHER], tool_choice="auto", thinking=False).token_ids
-    assert r.usage.prompt_tokens == len(rendered)
-    assert r.usage.prompt_tokens > len(render_chat(tok, MSGS, thinking=False).token_ids)
+    messages, fields, render_kw = CHAT_CASES[case]
+    rendered = render_chat(tok, messages, **render_kw)
+    extra = fields.get("extra_body", {})
+    args = {k: v for k, v in fields.items() if k != "extra_body"}
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, **args,
+                                       extra_body={**extra, "cache_salt": f"chat-{case}"})
+    assert r.usage.prompt_tokens == len(rendered.token_ids)
+    raw = client.completions.create(model=NAME, prompt=rendered.token_ids, max_tokens=6, temperature=0,
+                                    extra_body={"skip_special_tokens": False, "spaces_between_special_tokens": False,
+                                                "cache_salt": f"raw-{case}"})
+    assert raw.usage.completion_tokens == r.usage.completion_tokens
+    want = parse_output(raw.choices[0].text, thinking=rendered.thinking, tools_enabled="tools" in fields,
+                        tool_choice=render_kw.get("tool_choice"))
     msg = r.choices[0].message
-    assert msg.tool_calls in (None, []) or all(tc.function.name == "get_weather" for tc in msg.tool_calls)
-    assert msg.content is None or isinstance(msg.content, str)
-    assert getattr(msg, "reasoning_content", None) is None  # thinking off: nothing is reasoning
-    r = client.chat.completions.create(
-        model=NAME, max_tokens=4, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        messages=MSGS + [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
-    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert (msg.content, getattr(msg, "reasoning_content", None)) == (want.content, want.reasoning)
+    assert [(tc.function.name, tc.function.arguments) for tc in msg.tool_calls or []] == \
+        [(tc.name, tc.arguments) for tc in want.tool_calls]
+    finish = raw.choices[0].finish_reason
+    assert r.choices[0].finish_reason == ("tool_calls" if want.tool_calls and finish == "stop" else finish)
+    assert finish == ("length" if raw.usage.completion_tokens == 6 else "stop")
+    if render_kw.get("thinking") is False:  # thinking off: nothing can be reasoning
+        assert not rendered.thinking and getattr(msg, "reasoning_content", None) is None
+    if "tools" in fields:  # the tool definitions are in the prompt
+        assert len(rendered.token_ids) > len(render_chat(tok, messages, thinking=render_kw.get("thinking")).token_ids)
 
 
 def test_completions_text_ids_and_stream(server, tok):
