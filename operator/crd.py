@@ -92,6 +92,12 @@ def _pool(role: str, *, tp: int, dp: int, gpus_per_node: int, replicas: int) -> 
             "tolerations": tolerations("Tolerations of each worker pod."),
             "env": env_list("Extra environment variables for the worker container."),
             "shmSize": quantity("Size of the in-memory /dev/shm of each worker pod.", default="16Gi"),
+            "transferDevices": string(
+                "UCX network devices for the P/D KV transfers of this pool (--kv-transfer-devices, "
+                "UCX_NET_DEVICES form, e.g. mlx5_0:1,mlx5_1:1); unset: same-host shared memory only.",
+                pattern=r"^[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$",
+                max_length=1024,
+            ),
         },
         default={},
     )
@@ -168,6 +174,12 @@ def spec_schema() -> dict:
             "memory": quantity(
                 "Host memory each worker pod contributes to the store (its global segment).", default="16Gi"
             ),
+            "deadlineMs": integer(
+                "Longest wait on the store per lookup and per load, in milliseconds (--kv-store-deadline-ms); "
+                "past it the request recomputes. Unset: the worker's default.",
+                minimum=1,
+                maximum=60000,
+            ),
         },
         default={},
     )
@@ -202,6 +214,12 @@ def spec_schema() -> dict:
                 pattern=r"^((0?\.[0-9]*[1-9][0-9]*)|(1(\.0*)?)|([1-9][0-9]*([KMGT]i)?))$",
             ),
             "maxModelLen": integer("Longest context served (--max-model-len).", minimum=16),
+            "offloadMemory": string(
+                "Host-memory KV tier per worker pod (--kv-offload-memory): cached pages evicted from "
+                "the accelerator are kept in this much host memory (64Gi, 68719476736); needs "
+                "prefixCaching. Count it in the pod's memory limit. Unset: off.",
+                pattern=r"^[1-9][0-9]*([KMGT]i)?$",
+            ),
         },
         default={},
     )

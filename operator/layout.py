@@ -265,6 +265,23 @@ def _cache_rule() -> Rule:
     )
 
 
+def _offload_rule() -> Rule:
+    def check(spec: dict) -> str | None:
+        cache = spec["cache"]
+        if cache.get("offloadMemory") and not cache["prefixCaching"]:
+            return (f"spec.cache.offloadMemory ({cache['offloadMemory']}) needs spec.cache.prefixCaching: "
+                    "the host tier holds cached prefixes")
+        return None
+
+    return Rule(
+        "cache-offload",
+        "spec.cache.offloadMemory needs spec.cache.prefixCaching",
+        check,
+        "!has(self.cache) || !has(self.cache.offloadMemory) || !has(self.cache.prefixCaching) "
+        "|| self.cache.prefixCaching",
+    )
+
+
 def _only_with_prefill(rule: Rule) -> Rule:
     """Prefill rules do not apply when the pool has no replicas (colocated mode)."""
     if not rule.name.startswith("prefill-") or not rule.cel:
@@ -285,6 +302,7 @@ RULES: tuple[Rule, ...] = tuple(
         _experts_rule("decode"),
         _pd_rule(),
         _cache_rule(),
+        _offload_rule(),
     )
 )
 

@@ -64,6 +64,8 @@ def cache_args(cache: dict) -> list[str]:
     args += ["--kv-cache-memory", memory if "." in memory else str(quantity.to_bytes(memory))]
     if cache.get("maxModelLen"):
         args += ["--max-model-len", str(cache["maxModelLen"])]
+    if cache.get("offloadMemory"):
+        args += ["--kv-offload-memory", str(quantity.to_bytes(cache["offloadMemory"]))]
     return args
 
 
@@ -89,6 +91,11 @@ def worker_args(ctx: Context, pool: PoolLayout) -> list[str]:
         args.append("--expert-parallel")
     if ctx.kv_store_address:
         args += ["--kv-store", ctx.kv_store_address]
+        if ctx.spec["kvStore"].get("deadlineMs"):
+            args += ["--kv-store-deadline-ms", str(ctx.spec["kvStore"]["deadlineMs"])]
+    devices = ctx.spec[pool.pool].get("transferDevices")
+    if devices and pool.role in ("prefill", "decode"):  # P/D transfers only; colocated pods have none
+        args += ["--kv-transfer-devices", devices]
     return args + cache_args(ctx.spec["cache"])
 
 

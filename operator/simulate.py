@@ -11,13 +11,15 @@ With a Mooncake store (`spec.kvStore.enabled`) the pods run in a private network
 needed: Mooncake clients listen on every interface), like a pod network: the gateway (and Prometheus)
 are reached through ports this process binds on 127.0.0.1 before it moves into the namespace, and
 forwards. `--prometheus` starts a real Prometheus (/usr/bin/prometheus) scraping the PodMonitor's
-targets. Ctrl-C (SIGINT/SIGTERM) stops every pod. Logs: ROOT/pods/POD/log.
+targets. A pod whose process exits is restarted (restartPolicy Always, with the kubelet's back-off). Ctrl-C
+(SIGINT/SIGTERM) stops every pod. Logs: ROOT/pods/POD/log, process ids: ROOT/pods/POD/pid.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import secrets as _secrets
 import shutil
@@ -29,6 +31,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +75,7 @@ class Simulation:
     gateway_local: str = ""  # where it leads here
     prometheus_url: str = ""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
     extra: list[subprocess.Popen] = field(default_factory=list)
 
     def materialize(self) -> None:
@@ -89,16 +93,38 @@ class Simulation:
 
     def start(self) -> None:
         for pod in self.pods:
-            box = self.root / "pods" / pod.name
-            tmp = box / "fs/tmp"
-            tmp.mkdir(parents=True, exist_ok=True)
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONSAFEPATH": "1",
-                   "PYTHONUNBUFFERED": "1", "HOME": str(tmp), "TMPDIR": str(tmp)}
-            env.update(pod.env)
-            log = open(box / "log", "wb")  # noqa: SIM115 - closed with the process
-            self.procs[pod.name] = subprocess.Popen(pod.argv, env=env, cwd=box, stdout=log,
-                                                    stderr=subprocess.STDOUT, start_new_session=True)
-            log.close()
+            self.start_pod(pod)
+
+    def start_pod(self, pod: SimPod) -> None:
+        """Start (or restart) one pod's container; its log appends, its pid is in ROOT/pods/POD/pid."""
+        box = self.root / "pods" / pod.name
+        tmp = box / "fs/tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONSAFEPATH": "1",
+               "PYTHONUNBUFFERED": "1", "HOME": str(tmp), "TMPDIR": str(tmp)}
+        env.update(pod.env)
+        log = open(box / "log", "ab")  # noqa: SIM115 - closed with the process
+        self.procs[pod.name] = subprocess.Popen(pod.argv, env=env, cwd=box, stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        (box / "pid").write_text(str(self.procs[pod.name].pid))
+
+    def restart_exited(self, backoff: dict[str, float], log=print) -> None:
+        """restartPolicy Always: the kubelet restarts an exited container (back-off 1, 2, 4 ... 10 s)."""
+        now = time.monotonic()
+        for pod in self.pods:
+            proc = self.procs[pod.name]
+            if proc.poll() is None:
+                continue
+            due = backoff.setdefault(f"{pod.name}:due", now + backoff.get(f"{pod.name}:delay", 1.0))
+            if now < due:
+                continue
+            self.restarts[pod.name] = self.restarts.get(pod.name, 0) + 1
+            log(f"k3serve operator simulate: pod {pod.name} exited with code {proc.returncode}; restart "
+                f"{self.restarts[pod.name]}", flush=True)
+            backoff[f"{pod.name}:delay"] = min(2 * backoff.get(f"{pod.name}:delay", 1.0), 10.0)
+            del backoff[f"{pod.name}:due"]
+            self.start_pod(pod)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -326,17 +352,22 @@ def start_prometheus(sim: Simulation, listen: str, interval: str | None) -> subp
                              f"--web.listen-address={listen}", "--log.level=warn"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
+    # ready once every target has been scraped: counters then have a sample from before any traffic
+    want = sum(len(job["static_configs"]) for job in json.loads(cfg.read_text())["scrape_configs"])
+    query = urllib.parse.urlencode({"query": "count(up == 1)"})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SimulateError("prometheus exited:\n" + (sim.root / "prometheus.log").read_text()[-2000:])
         try:
-            with urllib.request.urlopen(f"http://{listen}/-/ready", timeout=2) as r:
-                if r.status == 200:
+            with urllib.request.urlopen(f"http://{listen}/api/v1/query?{query}", timeout=2) as r:
+                result = json.loads(r.read())["data"]["result"]
+                if result and int(float(result[0]["value"][1])) >= want:
                     return proc
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.2)
-    raise SimulateError("prometheus not ready after 60 s")
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise SimulateError(f"prometheus has not scraped all {want} targets after 60 s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -388,13 +419,10 @@ def run(args: argparse.Namespace) -> int:
               f"pods={len(sim.pods)} root={root}", flush=True)
         for p in sim.pods:
             print(f"  pod {p.name} ip={p.ip} log={root / 'pods' / p.name / 'log'}", flush=True)
+        backoff: dict[str, float] = {}
         while not args.exit_when_ready and not stop.is_set():
-            for name, proc in sim.procs.items():
-                if proc.poll() is not None:
-                    print(f"k3serve operator simulate: pod {name} exited with code {proc.returncode}\n"
-                          + sim.log_tail(name), file=sys.stderr, flush=True)
-                    return 1
-            stop.wait(0.5)
+            sim.restart_exited(backoff)
+            stop.wait(0.2)
         return 0
     except SimulateError as e:
         print(f"k3serve operator simulate: {e}", file=sys.stderr, flush=True)

@@ -409,3 +409,56 @@ def test_pod_security_fields_are_the_documented_contract(name, lws):
             assert "emptyDir" in mounts["/tmp"] and "emptyDir" in mounts["/var/cache/k3serve"], tname
             if template["metadata"]["labels"][n.LABEL_ROLE] in ("prefill", "decode"):
                 assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory", tname
+
+
+def _worker_args(objects: list[dict], pool: str) -> list[str]:
+    sts = by_key(objects)[("StatefulSet", f"tiny-{pool}")]
+    return sts["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_engine_tier_fields_render_into_the_worker_flags():
+    cr = sample("tiny-cpu.yaml")
+    cr["spec"]["cache"]["offloadMemory"] = "8Gi"
+    cr["spec"]["kvStore"]["deadlineMs"] = 30
+    cr["spec"]["prefill"]["transferDevices"] = "mlx5_0:1,mlx5_1:1"
+    cr["spec"]["decode"]["transferDevices"] = "eth0"
+    result = render(cr)
+    assert not result.problems, result.problems
+    for pool, devices in (("prefill", "mlx5_0:1,mlx5_1:1"), ("decode", "eth0")):
+        args = _worker_args(result.objects, pool)
+        assert args[args.index("--kv-offload-memory") + 1] == str(8 * 2**30)
+        assert args[args.index("--kv-store-deadline-ms") + 1] == "30"
+        assert args[args.index("--kv-transfer-devices") + 1] == devices
+    # colocated pods transfer nothing; without a store there is no store deadline; unset fields: no flags
+    cr["spec"]["prefill"]["replicas"] = 0
+    cr["spec"]["kvStore"]["enabled"] = False
+    args = _worker_args(render(cr).objects, "decode")
+    assert "--kv-transfer-devices" not in args and "--kv-store-deadline-ms" not in args
+    args = _worker_args(render(sample("tiny-cpu.yaml")).objects, "decode")
+    assert not {"--kv-offload-memory", "--kv-store-deadline-ms", "--kv-transfer-devices"} & set(args)
+
+
+@pytest.mark.parametrize(
+    "path, value, needle",
+    [
+        (("cache", "offloadMemory"), "8GB", "spec.cache.offloadMemory"),
+        (("cache", "offloadMemory"), "0", "spec.cache.offloadMemory"),
+        (("kvStore", "deadlineMs"), 0, "spec.kvStore.deadlineMs"),
+        (("kvStore", "deadlineMs"), 120000, "spec.kvStore.deadlineMs"),
+        (("decode", "transferDevices"), "eth0; rm -rf", "spec.decode.transferDevices"),
+    ],
+)
+def test_engine_tier_fields_are_validated_with_the_field_named(path, value, needle):
+    cr = sample("tiny-cpu.yaml")
+    cr["spec"][path[0]][path[1]] = value
+    result = render(cr)
+    assert result.objects == [] and any(needle in p for p in result.problems), result.problems
+
+
+def test_offload_without_prefix_caching_is_refused():
+    cr = sample("tiny-cpu.yaml")
+    cr["spec"]["cache"].update(offloadMemory="1Gi", prefixCaching=False)
+    cr["spec"]["cache"].pop("prefixMatchUnit")
+    result = render(cr)
+    assert result.objects == []
+    assert any("spec.cache.offloadMemory (1Gi) needs spec.cache.prefixCaching" in p for p in result.problems)
