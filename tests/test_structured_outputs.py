@@ -232,3 +232,53 @@ def test_structured_outputs_cross_the_proto():
     kw = sampling_kwargs_from_proto(sampling_to_proto({"max_tokens": 5, "structured_outputs": so}))
     assert kw["structured_outputs"] == so
     assert SamplingParams(**kw).structured_outputs == StructuredOutputsParams(**so)
+
+
+def test_held_request_waits_while_others_run(llm):
+    """A request whose grammar is still compiling waits outside the scheduler; the others keep stepping."""
+    from concurrent.futures import Future
+
+    eng = llm.engine
+    cache = eng.structured.cache
+    so = StructuredOutputsParams(regex="[0-9]{3}")
+    ready = cache.compile_now(so)
+    pending: Future = Future()
+    real_compile = cache.compile
+    cache.compile = lambda key: pending
+    try:
+        eng.add_request("held", [1, 2], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so))
+        eng.add_request("free", [3, 4], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    finally:
+        cache.compile = real_compile
+    done = {}
+    for _ in range(3):
+        for out in eng.step():
+            done[out.request_id] = out
+    assert done["free"].finished and "held" not in done
+    assert eng.has_unfinished_requests() and len(eng.structured) == 1 and not eng.scheduler.has_unfinished()
+    pending.set_result(ready)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            done[out.request_id] = out
+    held = done["held"].outputs[0]
+    assert held.finish_reason == "stop" and re.fullmatch("[0-9]{3}", held.text)
+
+
+def test_chunked_prefill_and_preemption_keep_constrained_outputs(llm, tiny_model_dir):
+    from _engine_helpers import tight_kv_budget
+
+    rng = random.Random(8)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 60))] for _ in range(10)]
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 1.0, seed=i, max_tokens=60,
+                             structured_outputs={"json": random_schema(rng)}) for i in range(10)]
+    reference = [o.outputs[0] for o in llm.generate(prompts, params)]
+    budget = tight_kv_budget(tiny_model_dir, 128, extra_blocks=2, block_size=16)
+    tight = LLM(str(tiny_model_dir), dtype="float64", max_model_len=128, max_num_batched_tokens=24,
+                max_num_seqs=16, block_size=16, kv_cache_memory=budget)
+    outs = [o.outputs[0] for o in tight.generate(prompts, params)]
+    assert tight.engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    for o, p in zip(outs, params):
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), p.structured_outputs.json)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 8
