@@ -76,6 +76,7 @@ class _Add:
     arrival: float
     ack: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -245,7 +246,7 @@ class AsyncEngine:
 
     # --- requests -----------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> RequestStream:
         """Hand a request to the engine thread; returns once accepted (raises what add_request raised)."""
         if not self.is_healthy():
             raise self._dead_error()
@@ -256,7 +257,8 @@ class AsyncEngine:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
         ack = loop.create_future()
-        self._submit(_Add(request_id, list(prompt_token_ids), params, cache_salt, self._clock(), ack, loop))
+        self._submit(_Add(request_id, list(prompt_token_ids), params, cache_salt, self._clock(), ack, loop,
+                          kv_transfer_params))
         try:
             await ack
         except asyncio.CancelledError:
@@ -412,7 +414,10 @@ class AsyncEngine:
     def _handle(self, cmd) -> None:
         if isinstance(cmd, _Add):
             try:
-                if cmd.cache_salt is not None:
+                if cmd.kv_transfer_params is not None:  # P/D (workers/kv_transfer/)
+                    self.engine.add_request(cmd.rid, cmd.prompt, cmd.params, cache_salt=cmd.cache_salt,
+                                            kv_transfer_params=cmd.kv_transfer_params)
+                elif cmd.cache_salt is not None:
                     self.engine.add_request(cmd.rid, cmd.prompt, cmd.params, cache_salt=cmd.cache_salt)
                 else:
                     self.engine.add_request(cmd.rid, cmd.prompt, cmd.params)

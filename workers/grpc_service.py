@@ -27,6 +27,8 @@ from k3serve.proto.convert import (
     MAX_EVENTS_PER_MESSAGE,
     deltas_to_proto,
     kv_batch_to_proto,
+    kv_transfer_params_from_proto,
+    kv_transfer_params_to_proto,
     sampling_kwargs_from_proto,
 )
 from k3serve.sampling_params import SamplingParams, SamplingParamsError
@@ -37,6 +39,8 @@ from k3serve.workers.async_engine import (
     RequestFailedError,
 )
 from k3serve.workers.kv_events import DEFAULT_MAX_QUEUED_BATCHES, KvEventHub, SubscriberTooSlow
+from k3serve.workers.kv_transfer import grpc_pd
+from k3serve.workers.kv_transfer.compat import IncompatiblePeer
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.model_name = model_name
         self.kv_events = KvEventHub(engine, max_queued_batches=max_queued_batches)
         self.max_events_per_message = max_events_per_message
+        self._nixl = False  # the engine's NIXL connector (looked up on first use), or None
+        self.address = ("127.0.0.1", 0)  # this server's gRPC address (start_grpc_server sets it)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
@@ -66,8 +72,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         except (SamplingParamsError, TypeError, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params: {e}")
         salt = request.cache_salt if request.HasField("cache_salt") else None
+        # P/D (docs/serving.md "P/D: prefill, then decode"; workers/kv_transfer/grpc_pd.py)
+        pd = await self._pd_plan(request, params, context)
+        if pd.mode == "prefill":
+            async for msg in self._prefill_hop(request, salt, context):
+                yield msg
+            return
         try:
-            stream = await self.engine.add_request(request.request_id, list(request.prompt_token_ids), params, salt)
+            stream = await self.engine.add_request(request.request_id, list(request.prompt_token_ids), params, salt,
+                                                   kv_transfer_params=pd.params)
         except DuplicateRequestError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except EngineDeadError as e:
@@ -78,13 +91,76 @@ class WorkerService(pb_grpc.WorkerServicer):
         try:
             async for out in stream:
                 deltas = tracker.update(out)
-                yield pb.GenerateResponse(request_id=request.request_id, outputs=deltas_to_proto(deltas),
+                msg = pb.GenerateResponse(request_id=request.request_id, outputs=deltas_to_proto(deltas),
                                           prompt_tokens=tracker.prompt_tokens,
                                           cached_tokens=tracker.cached_tokens, finished=out.finished)
+                if out.finished and pd.mode == "decode":
+                    res = grpc_pd.decode_result(self.nixl, pd, request.request_id)
+                    msg.kv_transfer_result.CopyFrom(pb.KvTransferResult(**res))
+                yield msg
         except (EngineDeadError, RequestFailedError) as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
             stream.abort()
+
+    # -- P/D ----------------------------------------------------------------------------------
+    @property
+    def nixl(self):
+        if self._nixl is False:
+            self._nixl = grpc_pd.find_nixl(getattr(self.engine, "engine", None))
+        return self._nixl
+
+    async def _pd_plan(self, request, params, context) -> grpc_pd.PDPlan:
+        import asyncio
+
+        if not request.HasField("kv_transfer_params"):
+            return grpc_pd.PDPlan("plain")
+        kvp = kv_transfer_params_from_proto(request.kv_transfer_params)
+        try:  # a thread: naming a compatibility mismatch asks the prefill worker
+            return await asyncio.to_thread(grpc_pd.pd_plan, kvp, self.nixl, self.role, params.n)
+        except grpc_pd.PDRefused as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    async def _prefill_hop(self, request, salt, context):
+        """Compute the prompt one token short, pin its pages, answer the transfer parameters."""
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        host, port = self.address
+        if len(prompt) == 1:
+            kvp = grpc_pd.empty_transfer_params(self.nixl, rid, host, port)
+            yield pb.GenerateResponse(request_id=rid, prompt_tokens=1, finished=True,
+                                      kv_transfer_params=kv_transfer_params_to_proto(kvp))
+            return
+        try:
+            stream = await self.engine.add_request(rid, prompt[:-1], grpc_pd.prefill_sampling(), salt,
+                                                   kv_transfer_params={"do_remote_decode": True})
+        except DuplicateRequestError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        last = None
+        try:
+            async for out in stream:
+                last = out
+        except (EngineDeadError, RequestFailedError) as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        finally:
+            stream.abort()
+        kvp = getattr(last, "kv_transfer_params", None) if last is not None else None
+        if kvp is None:
+            await context.abort(grpc.StatusCode.INTERNAL, "the prefill finished without pinning its pages")
+        yield pb.GenerateResponse(request_id=rid, prompt_tokens=len(prompt), cached_tokens=last.num_cached_tokens,
+                                  finished=True, kv_transfer_params=kv_transfer_params_to_proto(
+                                      grpc_pd.transfer_params_out(self.nixl, kvp, host, port)))
+
+    async def GetTransferMetadata(self, request: pb.TransferMetadataRequest, context):
+        try:
+            return grpc_pd.transfer_metadata(self.nixl, pb, request)
+        except (grpc_pd.PDRefused, IncompatiblePeer) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
@@ -155,5 +231,6 @@ async def start_grpc_server(engine: AsyncEngine, *, host: str = "127.0.0.1", por
     if bound == 0:
         service.kv_events.close()
         raise OSError(f"could not bind gRPC on {host}:{port}")
+    service.address = (host, bound)
     await server.start()
     return GrpcServer(server, bound, service)

@@ -4,7 +4,7 @@ One process, one asyncio loop: the gRPC Worker service (worker.proto) on `--grpc
 HTTP server on `--metrics-port` with `/metrics` (Prometheus), `/health` (liveness: the process and
 its engine thread are alive) and `/ready` (readiness: healthy and able to accept requests). Port 0
 picks a free port. Prints `k3serve worker: ready grpc=HOST:P metrics=http://HOST:M` once both listen.
-Only `--role both` is implemented so far (prefill/decode come with the KV connectors).
+`--role prefill|decode` adds the NIXL P/D connector (docs/serving.md "P/D: prefill, then decode").
 """
 
 from __future__ import annotations
@@ -39,12 +39,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def unsupported_layout(args: argparse.Namespace) -> str | None:
     """Why this process cannot run the requested layout yet, or None."""
-    if args.role != "both":
-        return f"--role {args.role} is not implemented yet (only 'both')"
     if args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
         return (f"--tensor-parallel-size {args.tensor_parallel_size} / --data-parallel-size "
                 f"{args.data_parallel_size}: multi-rank workers are not implemented yet (only 1 / 1)")
     return None
+
+
+def add_role_connectors(args: argparse.Namespace) -> None:
+    """`--role prefill|decode`: the engine gets the NIXL P/D connector (workers/kv_transfer/);
+    `both` (colocated) needs none."""
+    if args.role in ("prefill", "decode") and "nixl" not in (args.kv_connectors or ()):
+        args.kv_connectors = tuple(args.kv_connectors or ()) + ("nixl",)
+
+
+def attach_transfer_metrics(engine, served) -> None:
+    """Transfer metrics on the ledger; and an idle engine still polls its connector (at the engine
+    thread's idle wait, 0.25 s), so pages pinned for a decode worker are released when it confirms."""
+    from k3serve.workers.kv_transfer.grpc_pd import find_nixl
+
+    llm = getattr(engine, "engine", None)
+    nixl = find_nixl(llm)
+    if nixl is None:
+        return
+    from k3serve.workers.kv_transfer.metrics import TransferMetrics
+
+    nixl.ledger.metrics = TransferMetrics(served.registry, served.model_names[0])
+    pending = getattr(llm.scheduler, "has_pending_connector_work", None)
+
+    def poll_when_idle() -> None:
+        if pending is not None and pending() and not llm.has_unfinished_requests():
+            llm.step()
+
+    engine.add_engine_hook(poll_when_idle)
 
 
 def build_metrics_app(engine, registry):
@@ -78,6 +104,7 @@ async def _serve(args: argparse.Namespace, msock) -> int:
 
     served = await asyncio.to_thread(start_engine, args, args.model)
     engine = served.async_engine
+    attach_transfer_metrics(engine, served)
     try:
         with exit_on_bind_error(args.host, args.grpc_port, flag="--grpc-port", prog=PROG):
             grpc_server = await start_grpc_server(engine, host=args.host, port=args.grpc_port, role=args.role,
@@ -135,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_store:
         print(f"k3serve worker: note: --kv-store {args.kv_store} given, but the Mooncake store connector is "
               "not available yet; serving from the local prefix cache only", flush=True)
+    add_role_connectors(args)
     # both ports are checked before the engine loads (minutes for a real checkpoint)
     msock = bind_or_exit(args.host, args.metrics_port, flag="--metrics-port", prog=PROG)
     check_port_free(args.host, args.grpc_port, flag="--grpc-port", prog=PROG)

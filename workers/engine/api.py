@@ -108,6 +108,22 @@ def retention_interval(text: str) -> int | str:
     return n
 
 
+def _devices(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must name at least one device (e.g. mlx5_0:1)")
+    return text.strip()
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"not a number of seconds: {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise ValueError(f"must be a positive number of seconds, got {text!r}")
+    return v
+
+
 def _first(names: list[str] | None) -> str | None:
     return names[0] if names else None
 
@@ -150,3 +166,14 @@ class EngineArgs:
     kv_connectors: tuple[str, ...] = arg(
         (), "KV connectors after the host tier, in order (names from workers/engine/kv_connector/factory.py)",
         nargs="+", to_field=tuple, metavar="NAME")
+    # P/D transfers (workers/kv_transfer/, docs/serving.md "P/D"): used by `worker --role prefill|decode`
+    kv_transfer_devices: str | None = arg(
+        None, "UCX network devices for P/D KV transfers (UCX_NET_DEVICES, e.g. mlx5_0:1,eth0); unset: same-host "
+        "shared memory only (UCX_TLS=self,sm, no sockets)", parse=_devices,
+        metavar="DEVICES")
+    kv_transfer_expiry: float = arg(
+        120.0, "seconds a prefill worker keeps a finished request's pages pinned for the decode side's pull",
+        parse=_positive_seconds)
+    kv_transfer_timeout: float = arg(
+        10.0, "seconds a decode worker waits for one pull before it recomputes the prompt itself",
+        parse=_positive_seconds)

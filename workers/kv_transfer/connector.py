@@ -54,16 +54,24 @@ DEFAULT_TIMEOUT_S = 10.0
 POISON_ENV = "K3SERVE_KV_POISON_FREE_PAGES"  # tests: fill every free page with 0xFF at start
 
 
+def _opt(ctx: ConnectorContext, name: str, default):
+    """An option: `extra_config[name]` (connectors built by hand), else the EngineArgs field, else default."""
+    if name in ctx.extra_config:
+        return ctx.extra_config[name]
+    v = getattr(getattr(ctx, "args", None), name, None)
+    return default if v is None else v
+
+
 def _fingerprint(ctx: ConnectorContext) -> bytes:
     fp = ctx.model_fingerprint
     if fp and any(fp):
         return fp
-    model = ctx.extra_config.get("model_dir")
+    model = _opt(ctx, "model", None)
     if model:
         from k3serve.common.block_hash import model_fingerprint
 
         return model_fingerprint(model)
-    raise ValueError("the NIXL connector needs the model fingerprint (extra_config model_dir)")
+    raise ValueError("the NIXL connector needs the model fingerprint (the model directory)")
 
 
 # -- the ledger: per-request outcomes + metrics -------------------------------------------------
@@ -135,11 +143,22 @@ class NixlScheduler(KVConnectorScheduler):
         self.ledger = ledger
         self.factors = factors
         self.hash = compatibility_hash(factors)
-        cfg = ctx.extra_config
-        self.expiry_s = float(cfg.get("expiry_s", os.environ.get("K3SERVE_KV_TRANSFER_EXPIRY_S", DEFAULT_EXPIRY_S)))
-        self.timeout_s = float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S))
-        self.tp_size = int(cfg.get("tp_size", 1))
+        self.expiry_s = float(_opt(ctx, "kv_transfer_expiry", DEFAULT_EXPIRY_S))
+        self.timeout_s = float(_opt(ctx, "kv_transfer_timeout", DEFAULT_TIMEOUT_S))
+        self.tp_size = int(_opt(ctx, "tensor_parallel_size", 1))
         self._pulls: list[PullJob] = []
+        self.worker_half: NixlWorker | None = None  # set by make_nixl_connector (same process)
+
+    def check_remote_geometry(self, remote_tp: int, remote_block: int) -> None:
+        """PDGeometryError when a prefill pool of this TP size and block size cannot feed this rank."""
+        import dataclasses
+
+        g = self.worker_half.geometry.side()
+        m = plan_pd_mapping(dataclasses.replace(g, tp_size=remote_tp, block_size=remote_block), g,
+                            self.worker_half.tp_rank)
+        if len(m.kda_src_ranks) > 1:
+            raise PDGeometryError(f"prefill tensor-parallel size {remote_tp} > decode {g.tp_size}: reading "
+                                  "several prefill ranks per decode rank is not wired yet (multi-rank workers)")
 
     # decode side -------------------------------------------------------------------------------
     def _refuse(self, req, reason: str, aligned: int) -> MatchResult:
@@ -152,6 +171,8 @@ class NixlScheduler(KVConnectorScheduler):
             return NO_MATCH
         n = int(p.get("remote_num_tokens", 0))
         aligned = num_computed_tokens
+        if n == 0:
+            return self._refuse(request, "nothing_to_pull", aligned)
         if n <= aligned:
             self.ledger.record(request.request_id, Outcome("cached", "", 0, aligned))
             return NO_MATCH
@@ -217,10 +238,9 @@ class NixlWorker(KVConnectorWorker):
         super().__init__(ctx)
         self.ledger = ledger
         self.factors = factors
-        cfg = ctx.extra_config
-        self.devices = cfg.get("devices") or None
-        self.timeout_s = float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S))
-        self.tp_size, self.tp_rank = int(cfg.get("tp_size", 1)), int(cfg.get("tp_rank", 0))
+        self.devices = _opt(ctx, "kv_transfer_devices", None) or None
+        self.timeout_s = float(_opt(ctx, "kv_transfer_timeout", DEFAULT_TIMEOUT_S))
+        self.tp_size, self.tp_rank = int(_opt(ctx, "tensor_parallel_size", 1)), int(_opt(ctx, "tp_rank", 0))
         self.agent = None
         self.peers = None
         self.geometry = None
@@ -396,7 +416,8 @@ class NixlConnector(KVConnector):
 
 def make_nixl_connector(ctx: ConnectorContext) -> NixlConnector:
     """Factory (workers/engine/kv_connector/factory.py name "nixl")."""
-    factors = compatibility_factors(ctx.layout, _fingerprint(ctx), int(ctx.extra_config.get("tp_size", 1)))
+    factors = compatibility_factors(ctx.layout, _fingerprint(ctx), int(_opt(ctx, "tensor_parallel_size", 1)))
     ledger = TransferLedger()
-    return NixlConnector(scheduler=NixlScheduler(ctx, ledger, factors), worker=NixlWorker(ctx, ledger, factors),
-                         ledger=ledger, factors=factors)
+    sched, worker = NixlScheduler(ctx, ledger, factors), NixlWorker(ctx, ledger, factors)
+    sched.worker_half = worker
+    return NixlConnector(scheduler=sched, worker=worker, ledger=ledger, factors=factors)

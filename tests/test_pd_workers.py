@@ -1,0 +1,284 @@
+"""P/D disaggregation end to end: real `k3serve worker --role prefill|decode` processes, driven over gRPC the
+way the router does (docs/serving.md "P/D: prefill, then decode"), NIXL (UCX over shared memory) between
+them, float64 random models. Greedy tokens must equal the plain reference forward (the oracle) and the
+colocated engine.
+
+Processes (started once for the module, in parallel): P1 prefill (block 16) and D1 decode (block 32 = 2 x
+prefill, its free pages poisoned with 0xFF = NaN before use) on model A, both with prefix caching (dense
+retention); P2, a second prefill worker on model A that the fault test kills; D2, a decode worker on
+model B (another seed and config) for the compatibility check.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+import torch
+
+from k3serve.proto import worker_pb2 as pb
+from k3serve.proto import worker_pb2_grpc as pb_grpc
+from k3serve.proto.convert import kv_transfer_result_from_proto, sampling_to_proto
+from tests._engine_helpers import random_model_dir, reference_outputs
+
+MAX_LEN = 256
+SEED_A, SEED_B = 11, 12
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+VOCAB = 60  # model A (seed 11) has 61 token ids; model B more
+
+
+def _start(model_dir, role, *extra, env_extra=None):
+    cmd = [sys.executable, "-m", "k3serve.cli", "worker", "--model", str(model_dir), "--role", role,
+           "--grpc-port", "0", "--metrics-port", "0", "--max-model-len", str(MAX_LEN), "--dtype", "float64",
+           "--skip-tokenizer-init", "--num-threads", "1", "--log-level", "warning", *extra]
+    env = dict(os.environ, PYTHONSAFEPATH="1", **(env_extra or {}))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_ready(proc, timeout=240):
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"ready grpc=(\S+) metrics=(\S+)", line)
+        if m:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return m.group(1), m.group(2)
+    proc.kill()
+    pytest.fail("worker did not start:\n" + "".join(lines))
+
+
+class _W:
+    def __init__(self, proc, addr, murl):
+        self.proc, self.addr, self.murl = proc, addr, murl
+        self.channel = grpc.insecure_channel(addr)
+        self.stub = pb_grpc.WorkerStub(self.channel)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    return random_model_dir(tmp, SEED_A), random_model_dir(tmp, SEED_B)
+
+
+@pytest.fixture(scope="module")
+def workers(models):
+    a, b = models
+    cache = ["--enable-prefix-caching", "--prefix-cache-retention-interval", "dense"]
+    specs = {
+        "P1": (a, "prefill", "--block-size", "16", *cache),
+        "D1": (a, "decode", "--block-size", "32", "--kv-transfer-timeout", "5", *cache),
+        "P2": (a, "prefill", "--block-size", "16"),
+        "D2": (b, "decode", "--block-size", "32"),
+    }
+    procs = {k: _start(*v, env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"} if k == "D1" else None)
+             for k, v in specs.items()}
+    out = {}
+    try:
+        for k, p in procs.items():
+            out[k] = _W(p, *_wait_ready(p))
+        yield out
+    finally:
+        for w in out.values():
+            w.channel.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _sp(max_new):
+    return sampling_to_proto(dict(GREEDY, max_tokens=max_new))
+
+
+def prefill_hop(w: _W, rid, prompt, max_new):
+    resps = list(w.stub.Generate(pb.GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling_params=_sp(max_new),
+        kv_transfer_params=pb.KvTransferParams(do_remote_decode=True)), timeout=120))
+    assert len(resps) == 1 and resps[0].finished and not resps[0].outputs and resps[0].HasField("kv_transfer_params")
+    kvp = resps[0].kv_transfer_params
+    assert kvp.remote_num_tokens == len(prompt) - 1 and kvp.remote_host == "127.0.0.1"
+    return kvp
+
+
+def decode_hop(w: _W, rid, prompt, max_new, kvp):
+    kvp = pb.KvTransferParams.FromString(kvp.SerializeToString())
+    kvp.do_remote_prefill = True
+    resps = list(w.stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                                    sampling_params=_sp(max_new), kv_transfer_params=kvp),
+                                 timeout=120))
+    toks = [t for r in resps for o in r.outputs for t in o.token_ids]
+    assert resps[-1].finished and resps[-1].HasField("kv_transfer_result")
+    return toks, kv_transfer_result_from_proto(resps[-1].kv_transfer_result)
+
+
+def pd(p, d, rid, prompt, max_new):
+    return decode_hop(d, rid, prompt, max_new, prefill_hop(p, rid + "-p", prompt, max_new))
+
+
+def _colocated(model_dir, prompts, max_new, **kw):
+    from k3serve.sampling_params import SamplingParams
+    from k3serve.workers.llm import LLM
+
+    torch.set_num_threads(1)
+    llm = LLM(str(model_dir), dtype="float64", max_model_len=MAX_LEN, skip_tokenizer_init=True, **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_new, **GREEDY))]
+
+
+def _metric(text, name, **labels):
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_pd_greedy_equals_reference_and_colocated(workers, models):
+    """Random prompts (one token, shorter than a prefill block, shorter than a decode block, several
+    blocks); decode block = 2 x prefill block; decode pages poisoned."""
+    rng = random.Random(5)
+    lens = [1, 2, 9, 16, 17, 31, 33, rng.randint(40, 120)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
+    max_new = 6
+    want = reference_outputs(models[0], prompts, max_new)
+    assert _colocated(models[0], prompts, max_new, block_size=32) == want
+    for i, prompt in enumerate(prompts):
+        toks, res = pd(workers["P1"], workers["D1"], f"g{i}", prompt, max_new)
+        assert toks == want[i], (len(prompt), res)
+        if len(prompt) == 1:
+            assert res["outcome"] == "recomputed" and res["reason"] == "nothing_to_pull"
+        else:
+            assert res["outcome"] == "pulled", res
+            assert res["pulled_tokens"] + res["local_cached_tokens"] == len(prompt) - 1 and res["bytes"] > 0
+    # every pinned page was released once the decode side confirmed its pull
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = workers["P1"].stub.GetLoad(pb.LoadRequest(), timeout=5)
+        if load.free_pages == load.total_pages:
+            break
+        time.sleep(0.2)
+    assert load.free_pages == load.total_pages
+
+
+def test_decode_pulls_only_what_its_prefix_cache_lacks(workers, models):
+    """A follow-up turn (prompt + answer + more) on the same decode worker: its own cache supplies the
+    prefix it computed during decode (dense KDA snapshots); only the rest is pulled."""
+    rng = random.Random(6)
+    first = [rng.randrange(VOCAB) for _ in range(60)]
+    out1, res1 = pd(workers["P1"], workers["D1"], "turn1", first, 12)
+    assert res1["outcome"] == "pulled"
+    second = first + out1 + [rng.randrange(VOCAB) for _ in range(5)]
+    out2, res2 = pd(workers["P1"], workers["D1"], "turn2", second, 6)
+    assert out1 == reference_outputs(models[0], [first], 12)[0]
+    assert out2 == reference_outputs(models[0], [second], 6)[0]
+    assert res2["outcome"] == "pulled" and res2["local_cached_tokens"] >= 32, res2
+    assert res2["pulled_tokens"] == len(second) - 1 - res2["local_cached_tokens"]
+
+
+def test_expired_pages_cost_a_recompute(workers, models):
+    prompt = [t % VOCAB for t in range(3, 50)]
+    kvp = prefill_hop(workers["P1"], "exp-p", prompt, 4)
+    kvp.remote_blocks_expiry_time = time.time() - 1
+    toks, res = decode_hop(workers["D1"], "exp", prompt, 4, kvp)
+    assert (res["outcome"], res["reason"]) == ("recomputed", "expired")
+    assert toks == reference_outputs(models[0], [prompt], 4)[0]
+
+
+def test_prefill_killed_between_prefill_and_pull_recomputes(workers, models):
+    p2, d1 = workers["P2"], workers["D1"]
+    prompts = [[t % VOCAB for t in range(7, 47)], [t % VOCAB for t in range(9, 70)], [t % VOCAB for t in range(2, 30)]]
+    want = reference_outputs(models[0], prompts, 5)
+    toks, res = pd(p2, d1, "k0", prompts[0], 5)  # a first pull caches P2's metadata on D1
+    assert res["outcome"] == "pulled" and toks == want[0]
+    kvp1, kvp2 = prefill_hop(p2, "k1-p", prompts[1], 5), prefill_hop(p2, "k2-p", prompts[2], 5)
+    p2.proc.kill()
+    p2.proc.wait(10)
+    t0 = time.monotonic()
+    toks, res = decode_hop(d1, "k1", prompts[1], 5, kvp1)
+    assert toks == want[1] and res["outcome"] == "recomputed"
+    assert res["reason"] in ("transfer_failed", "peer_unreachable", "timeout"), res
+    # the dead peer's cached metadata was dropped: the next request tries a fresh handshake, which fails
+    toks, res = decode_hop(d1, "k2", prompts[2], 5, kvp2)
+    assert toks == want[2] and (res["outcome"], res["reason"]) == ("recomputed", "peer_unreachable"), res
+    assert time.monotonic() - t0 < 30
+
+
+def test_compatibility_mismatch_is_a_clear_error(workers):
+    prompt = [t % VOCAB for t in range(5, 40)]
+    kvp = prefill_hop(workers["P1"], "mm-p", prompt, 4)
+    with pytest.raises(grpc.RpcError) as e:
+        decode_hop(workers["D2"], "mm", prompt, 4, kvp)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "incompatible P/D peer" in e.value.details() and "model_fingerprint" in e.value.details()
+    # the handshake refuses a foreign caller the same way
+    req = pb.TransferMetadataRequest(compatibility_hash=b"\0" * 32)
+    with pytest.raises(grpc.RpcError) as e:
+        workers["P1"].stub.GetTransferMetadata(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_decode_worker_serves_plain_requests(workers):
+    """The router skips the prefill hop for short or cached prompts: a decode worker serves them whole."""
+    prompt = [t % VOCAB for t in range(4, 30)]
+    resps = list(workers["D1"].stub.Generate(pb.GenerateRequest(request_id="plain", prompt_token_ids=prompt,
+                                                                sampling_params=_sp(3)), timeout=60))
+    assert resps[-1].finished and not resps[-1].HasField("kv_transfer_result")
+
+
+def _listening_sockets(pid):
+    """(proto, local address) of every listening TCP socket / bound UDP socket the process holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for proto in ("tcp", "tcp6", "udp", "udp6"):
+        with open(f"/proc/{pid}/net/{proto}") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                local, state, inode = cols[1], cols[3], cols[9]
+                if inode in inodes and (proto.startswith("udp") or state == "0A"):
+                    out.append((proto, local.split(":")[0]))
+    return out
+
+
+def test_no_listener_beyond_loopback(workers):
+    for name in ("P1", "D1", "D2"):
+        socks = _listening_sockets(workers[name].proc.pid)
+        assert socks, f"{name}: no listening socket found (the parser is broken)"
+        for proto, addr in socks:
+            # IPv4 127.0.0.1; IPv6 ::1 or ::ffff:127.0.0.1 (gRPC's dual-stack socket bound to 127.0.0.1)
+            ok = addr == "0100007F" if proto in ("tcp", "udp") else addr in (
+                "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+            assert ok, f"{name} listens on {proto} {addr} (not loopback)"
+
+
+def test_transfer_metrics(workers):
+    text = httpx.get(workers["D1"].murl + "/metrics", timeout=10).text
+    assert _metric(text, "k3serve_kv_transfers_total", outcome="pulled") >= 5
+    assert _metric(text, "k3serve_kv_transfers_total", outcome="recomputed") >= 3
+    for view in ("mla", "kda_conv", "kda_ssm"):
+        assert _metric(text, "k3serve_kv_transfer_bytes_total", view=view) > 0, view
+    assert _metric(text, "k3serve_kv_transfer_seconds_count") >= 5
+    assert _metric(text, "k3serve_kv_transfer_failures_total", reason="expired") >= 1
+    assert _metric(text, "k3serve_kv_transfer_failures_total", reason="peer_unreachable") >= 1
