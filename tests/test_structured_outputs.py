@@ -102,6 +102,18 @@ def test_json_object_is_an_object(llm):
         assert isinstance(json.loads(o.text), dict)
 
 
+def ordinary_runs_text(tok, ids) -> list[bytes]:
+    """The bytes of each run of ordinary tokens between special tokens."""
+    runs, cur = [], []
+    for t in ids:
+        if tok.is_special(t):
+            runs.append(b"".join(tok.token_bytes(i) for i in cur))
+            cur = []
+        else:
+            cur.append(t)
+    return runs + [b"".join(tok.token_bytes(i) for i in cur)]
+
+
 def _chat_prompt(llm, thinking: bool, tools=None):
     msgs = [{"role": "user", "content": "What is the weather?"}]
     return render_chat(llm.tokenizer, msgs, tools=tools, thinking=thinking).token_ids
@@ -137,6 +149,7 @@ def test_chat_json_body_and_envelope(llm, thinking):
         assert o.finish_reason == "stop"
         assert o.text.endswith("<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"), o.text
         assert o.token_ids[-1] == llm.tokenizer.eos_token_id
+        assert not any(b"<|" in run for run in ordinary_runs_text(llm.tokenizer, o.token_ids))
         parsed = parse_output(o.text, thinking=thinking, tools_enabled=False)
         jsonschema.validate(json.loads(parsed.content), schema)
         if thinking:
@@ -158,6 +171,7 @@ def test_tool_choice_named_required_none(llm):
         o = out.outputs[0]
         assert o.finish_reason == "stop", o.text
         choice = "get_weather" if mode == "named" else mode
+        assert not any(b"<|" in run for run in ordinary_runs_text(llm.tokenizer, o.token_ids))
         parsed = parse_output(o.text, thinking=False, tools_enabled=True,
                               tool_choice=None if mode == "named" else mode)
         if mode == "none":
@@ -282,3 +296,23 @@ def test_chunked_prefill_and_preemption_keep_constrained_outputs(llm, tiny_model
         if o.finish_reason == "stop":
             jsonschema.validate(json.loads(o.text), p.structured_outputs.json)
     assert sum(o.finish_reason == "stop" for o in outs) >= 8
+
+
+def test_marker_guard_blocks_spelled_markers(llm):
+    from k3serve.workers.structured.matcher import GrammarState, fill_bitmasks
+
+    tok, cache = llm.tokenizer, llm.engine.structured.cache
+    so = StructuredOutputsParams(json={"type": "string"}, k3_chat=True)
+    compiled = cache.compile_now(so)
+    bar = tok.encode("|")[0]
+    allowed = {}
+    for guarded in (False, True):
+        st = GrammarState(compiled, cache.marker_guard if guarded else None)
+        for t in tok.encode('"a<'):
+            assert st.accept(t)
+        row = fill_bitmasks([st, st], cache.vocab_size)[1]  # the batched path too
+        allowed[guarded] = bool((row[bar // 32] >> (bar % 32)) & 1)
+        st.rollback(1)  # after "a" a "|" is fine again
+        row = fill_bitmasks([st], cache.vocab_size)[0]
+        assert (row[bar // 32] >> (bar % 32)) & 1
+    assert allowed == {False: True, True: False}

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from k3serve.sampling_params import StructuredOutputsParams
 from k3serve.workers.structured.errors import StructuredOutputError, xgrammar_message
 from k3serve.workers.structured.grammar import cache_key, structural_tag
-from k3serve.workers.structured.vocab import Markers, tokenizer_info
+from k3serve.workers.structured.vocab import MarkerGuard, Markers, tokenizer_info
 
 
 class GrammarCompileCache:
@@ -29,6 +29,8 @@ class GrammarCompileCache:
         self.vocab_size = vocab_size
         self.markers = Markers.from_tokenizer(tokenizer)
         self.tokenizer_info = tokenizer_info(tokenizer, vocab_size)
+        self._tokenizer = tokenizer
+        self._guard = None
         # our own cache is the one source of truth; XGrammar's would keep a second copy
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=compile_threads, cache_enabled=False)
         self.max_entries = max_entries
@@ -69,6 +71,13 @@ class GrammarCompileCache:
             self._compiled[key] = fut
             self._trim(self._compiled)
             return fut
+
+    @property
+    def marker_guard(self) -> MarkerGuard:
+        """The vocabulary's MarkerGuard (built on first use; K3 chat outputs use it)."""
+        if self._guard is None:
+            self._guard = MarkerGuard.build(self._tokenizer, self.vocab_size)
+        return self._guard
 
     def compile_now(self, so: StructuredOutputsParams):
         """Prepare and compile on this thread (tests, benchmarks); returns the CompiledGrammar."""

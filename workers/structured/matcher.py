@@ -13,14 +13,17 @@ log = logging.getLogger(__name__)
 
 
 class GrammarState:
-    __slots__ = ("matcher", "num_accepted", "failed")
+    __slots__ = ("matcher", "num_accepted", "failed", "guard", "last_tokens")
 
-    def __init__(self, compiled_grammar):
+    def __init__(self, compiled_grammar, guard=None):
+        """`guard`: a vocab.MarkerGuard for K3 chat outputs (None: the grammar's mask alone)."""
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled_grammar)
         self.num_accepted = 0
         self.failed = False  # a token the grammar rejected was appended: no longer constrained
+        self.guard = guard
+        self.last_tokens: list[int] = []  # accepted tokens (the guard looks at the last one)
 
     @property
     def active(self) -> bool:
@@ -29,11 +32,18 @@ class GrammarState:
 
     def fill(self, bitmask, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.apply_guard(bitmask, row)
+
+    def apply_guard(self, bitmask, row: int) -> None:
+        if self.guard is not None:
+            self.guard.apply(bitmask[row], self.last_tokens[-1] if self.last_tokens else None)
 
     def accept(self, token_id: int) -> bool:
         ok = self.matcher.accept_token(int(token_id))
         if ok:
             self.num_accepted += 1
+            if self.guard is not None:
+                self.last_tokens.append(int(token_id))
         else:
             self.failed = True
             log.error("structured outputs: the grammar rejected sampled token %d; the rest of this sequence "
@@ -45,6 +55,8 @@ class GrammarState:
         if num_tokens > 0:
             self.matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
+            if self.guard is not None:
+                del self.last_tokens[-num_tokens:]
 
 
 def fill_bitmasks(states: list[GrammarState], vocab_size: int):
@@ -56,6 +68,8 @@ def fill_bitmasks(states: list[GrammarState], vocab_size: int):
         states[0].fill(bitmask, 0)
     else:
         _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
+        for j, s in enumerate(states):
+            s.apply_guard(bitmask, j)
     return bitmask
 
 

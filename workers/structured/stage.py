@@ -80,7 +80,8 @@ class StructuredStage:
             if not fut.done():
                 keep.append(item)
                 continue
-            state.structured = GrammarState(fut.result())
+            guard = self.cache.marker_guard if req.params.structured_outputs.k3_chat else None
+            state.structured = GrammarState(fut.result(), guard)
             ready.append(req)
         self._held = keep
         return ready

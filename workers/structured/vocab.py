@@ -53,3 +53,49 @@ def tokenizer_info(tokenizer, vocab_size: int):
 
     return xgr.TokenizerInfo(encoded_vocab(tokenizer, vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size,
                              stop_token_ids=[tokenizer.special_id("<|end_of_msg|>")], add_prefix_space=False)
+
+
+@dataclass(frozen=True)
+class MarkerGuard:
+    """Keeps a K3 chat output from spelling an XTML marker with ordinary tokens.
+
+    Every marker begins with "<|", so a constrained chat row may not form "<|" from ordinary tokens:
+    `always` (packed like XGrammar's bitmask rows) clears the ordinary tokens containing "<|", and
+    `after_lt` additionally clears those starting with "|", for when the previous token ended with "<"
+    (`ends_lt`). The text parser (k3serve/chat/parsers.py) therefore only ever sees markers that are the
+    special tokens. A row the guard would leave empty keeps XGrammar's mask (the request's own grammar
+    demands the text).
+    """
+
+    always: object  # torch.Tensor[W] int32
+    after_lt: object  # torch.Tensor[W] int32
+    ends_lt: frozenset[int]
+
+    @classmethod
+    def build(cls, tokenizer, vocab_size: int) -> MarkerGuard:
+        import numpy as np
+        import torch
+
+        words = (vocab_size + 31) // 32
+        keep = np.ones(words * 32, dtype=bool)
+        keep_after_lt = np.ones(words * 32, dtype=bool)
+        ends_lt = set()
+        for i in range(tokenizer.num_base_tokens):
+            b = tokenizer.token_bytes(i)
+            if b"<|" in b:
+                keep[i] = keep_after_lt[i] = False
+            elif b.startswith(b"|"):
+                keep_after_lt[i] = False
+            if b.endswith(b"<"):
+                ends_lt.add(i)
+
+        def pack(bits):
+            return torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").copy())
+
+        return cls(pack(keep), pack(keep_after_lt), frozenset(ends_lt))
+
+    def apply(self, row, last_token: int | None) -> None:
+        """AND the guard into one bitmask row (Tensor[W] int32, CPU) in place, unless that empties it."""
+        guarded = row & (self.after_lt if last_token in self.ends_lt else self.always)
+        if bool(guarded.any()):
+            row.copy_(guarded)
