@@ -16,7 +16,8 @@ Events and what they update (all labelled with `model_name`):
 * `on_stats(stats)`: the gauges from `LLMEngine.stats()` (running, waiting, kv_usage, free_pages,
   kda_slots_used/total) and the counters that follow its cumulative keys (preemptions, prefix-cache
   queries/hits overall and per group kind, KDA snapshots stored/evicted, prefill tokens
-  computed/skipped); keys it lacks are left alone.
+  computed/skipped; the host offload tier's `kv_offload_*` hits, pages, bytes, evictions, failed loads
+  and usage); keys it lacks are left alone.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ _CUMULATIVE: dict[tuple[str, tuple], str] = {
     ("k3serve_kda_snapshots_evicted", ()): "kda_snapshots_evicted",
     ("k3serve_prefill_tokens_computed", ()): "prefill_tokens_computed",
     ("k3serve_prefill_tokens_skipped", ()): "prefill_tokens_skipped",
+    # the host-memory offload tier (present only with --kv-offload-memory)
+    ("k3serve_kv_offload_hit_tokens", ()): "kv_offload_hit_tokens",
+    ("k3serve_kv_offload_stored_pages", ()): "kv_offload_stored_blocks",
+    ("k3serve_kv_offload_stored_bytes", ()): "kv_offload_stored_bytes",
+    ("k3serve_kv_offload_loaded_bytes", ()): "kv_offload_loaded_bytes",
+    ("k3serve_kv_offload_evictions", ()): "kv_offload_evictions",
+    ("k3serve_kv_offload_failed_loads", ()): "kv_offload_failed_loads",
 }
 
 
@@ -127,6 +135,7 @@ class EngineMetrics:
             "k3serve_kv_pages_free": "free_pages",
             "k3serve_kda_state_slots_used": "kda_slots_used",
             "k3serve_kda_state_slots_total": "kda_slots_total",
+            "k3serve_kv_offload_usage_perc": "kv_offload_usage",
         }
         for metric, key in gauges.items():
             if stats.get(key) is not None:

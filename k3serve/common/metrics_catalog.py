@@ -74,6 +74,17 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("k3serve_prefill_tokens_skipped", "counter", "Prompt tokens skipped thanks to cache hits.", _M, _W),
     MetricSpec("k3serve_engine_step_seconds", "histogram", "Wall time of one engine step.", _M, _W,
                LATENCY_BUCKETS),
+    # --- host-memory offload tier (workers/engine/kv_connector/host_offload.py) ---
+    MetricSpec("k3serve_kv_offload_hit_tokens", "counter", "Prompt tokens loaded from the host-memory KV tier.",
+               _M, _W),
+    MetricSpec("k3serve_kv_offload_stored_pages", "counter",
+               "Pages copied to the host tier when the device cache evicted them.", _M, _W),
+    MetricSpec("k3serve_kv_offload_stored_bytes", "counter", "Bytes copied device -> host by the host tier.", _M, _W),
+    MetricSpec("k3serve_kv_offload_loaded_bytes", "counter", "Bytes copied host -> device by the host tier.", _M, _W),
+    MetricSpec("k3serve_kv_offload_evictions", "counter", "Pages evicted from the host tier.", _M, _W),
+    MetricSpec("k3serve_kv_offload_failed_loads", "counter",
+               "Host-tier loads that failed (the request recomputed).", _M, _W),
+    MetricSpec("k3serve_kv_offload_usage_perc", "gauge", "Fraction of host-tier slots holding cached pages.", _M, _W),
     # --- P/D transfers and store ---
     MetricSpec("k3serve_kv_transfer_bytes", "counter", "Bytes moved by KV transfers per view (mla | kda_conv | kda_ssm).",
                ("model_name", "view"), _W),

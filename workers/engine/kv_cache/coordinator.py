@@ -127,6 +127,7 @@ class KVCacheCoordinator:
             conn.on_block_evicted(EvictedBlock(b.block_id, gid, groups[gid].kind, keys))
 
         self.pool.on_evict = evicted
+        conn.device_cache = self.pool.cached
         self.on_snapshot = conn.on_boundary_snapshot
         if conn.wants_blocks_stored:
             self.mla.on_stored = lambda req, stored: conn.on_blocks_stored(

@@ -34,6 +34,7 @@ Token and block conventions (block size B, hash unit u, B % u == 0):
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -214,6 +215,11 @@ class KVConnectorScheduler:
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
         self._hold_requests: list[int] = []
+        # read-only view of the device prefix cache, {(hash, group id): block with .block_id,
+        # .key_tokens}, bound by the engine: a tier may combine device-resident pages with its own
+        # (e.g. device MLA pages + a host KDA snapshot) — copy from them in the step's loads, which
+        # read every source before writing any destination
+        self.device_cache: Mapping | None = None
 
     # lookup (must be side-effect free: it may be called again for the same request next step)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> MatchResult:

@@ -37,6 +37,7 @@ class CompositeScheduler(KVConnectorScheduler):
     name = "composite"
 
     def __init__(self, ctx: ConnectorContext, children: list[KVConnectorScheduler]):
+        self._device_cache = None
         super().__init__(ctx)
         transfers = [c for c in children if c.kind is ConnectorKind.TRANSFER]
         if len(transfers) > 1:
@@ -45,10 +46,21 @@ class CompositeScheduler(KVConnectorScheduler):
         self.transfer = transfers[0] if transfers else None
         self.tiers = [c for c in children if c.kind is ConnectorKind.TIER]
         self.children = ([self.transfer] if self.transfer else []) + self.tiers
+        self.device_cache = self._device_cache  # hand a view bound earlier to the children
         self.wants_blocks_stored = any(c.wants_blocks_stored for c in self.children)
         self._chosen: dict[str, int] = {}  # request id -> index into children (last lookup)
         self._pending_free: dict[str, set[int]] = {}  # request id -> children still sending
         self._worker_stats: dict[str, float] = {}  # the worker halves' latest counters, prefixed
+
+    @property
+    def device_cache(self):
+        return self._device_cache
+
+    @device_cache.setter
+    def device_cache(self, view) -> None:
+        self._device_cache = view
+        for c in getattr(self, "children", ()):
+            c.device_cache = view
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> MatchResult:
         self._chosen.pop(request.request_id, None)
