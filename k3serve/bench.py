@@ -120,7 +120,8 @@ def summarize(results: list[Result], wall: float) -> dict:
     }
 
 
-async def _one(client, base_url: str, model: str, req: Req, headers: dict, timeout: float) -> Result:
+async def _one(client, base_url: str, model: str, req: Req, headers: dict, timeout: float,
+               extra_body: dict | None = None) -> Result:
     if req.prompt is not None:
         url = base_url + "/v1/completions"
         body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "ignore_eos": True,
@@ -128,7 +129,7 @@ async def _one(client, base_url: str, model: str, req: Req, headers: dict, timeo
     else:
         url = base_url + "/v1/chat/completions"
         body = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens, "temperature": 0.0}
-    body.update(stream=True, stream_options={"include_usage": True})
+    body.update(stream=True, stream_options={"include_usage": True}, **(extra_body or {}))
     res = Result(ok=False)
     t0 = time.perf_counter()
     last = None
@@ -189,8 +190,10 @@ class _Bar:
 
 async def run_load(base_url: str, model: str, sessions: list[list[Req]], *, concurrency: int,
                    request_rate: float = float("inf"), seed: int = 0, api_key: str | None = None,
-                   timeout: float = 600.0, progress: bool = True) -> tuple[list[Result], float]:
-    """Run every session (its turns in order) under the concurrency limit / arrival rate; (results, wall s)."""
+                   timeout: float = 600.0, progress: bool = True,
+                   extra_body: dict | None = None) -> tuple[list[Result], float]:
+    """Run every session (its turns in order) under the concurrency limit / arrival rate; (results, wall s).
+    `extra_body`: fields added to every request (e.g. a `cache_salt` that keeps runs' caches apart)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -206,7 +209,7 @@ async def run_load(base_url: str, model: str, sessions: list[list[Req]], *, conc
                 if req.messages is not None:
                     req.messages = [*req.messages[:1], *history, {"role": "user", "content": req.user}]
                 async with sem:
-                    res = await _one(client, base_url, model, req, headers, timeout)
+                    res = await _one(client, base_url, model, req, headers, timeout, extra_body)
                 results.append(res)
                 bar.step()
                 if req.messages is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -37,6 +38,7 @@ from k3serve.openai_api.completion_output import CompletionOutputBuilder
 from k3serve.openai_api.errors import ApiKeyMiddleware, install_error_handlers
 from k3serve.openai_api.logprobs import TokenText
 from k3serve.openai_api.validate import check_params_token_ids, check_token_ids
+from k3serve.proto.convert import sampling_to_proto
 from k3serve.router.dispatch import Dispatcher, Job, Run
 from k3serve.sampling_params import SamplingParams, SamplingParamsError
 
@@ -74,16 +76,62 @@ class Gateway:
                                   code="no_worker_available")
         return n
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token in bytes: a text of C characters has at least C / this many tokens."""
+        n = getattr(self.tokenizer, "num_base_tokens", None)
+        if n is None:
+            return 1 << 30
+        return max(1, max(len(self.tokenizer.token_bytes(i)) for i in range(n)))
+
+    def check_text_fits(self, num_chars: int, param: str) -> None:
+        """Reject a text that cannot fit whatever its tokenization, before tokenizing it (as `k3serve serve`)."""
+        n = self.context_len()
+        at_least = -(-num_chars // self.max_token_chars)
+        if at_least + 1 > n:
+            raise P.ProtocolError(
+                f"This model's maximum context length is {n} tokens. However, your prompt has at least {at_least} "
+                f"tokens ({num_chars} characters), which leaves no room for a completion. Please reduce the length "
+                "of the prompt.", param=param, code="context_length_exceeded")
+
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
             raise P.model_not_found(model, self.model_names)
 
     def sampling(self, kwargs: dict) -> dict:
+        """Validated SamplingParams keyword arguments that also fit the worker.proto message."""
         try:
             check_params_token_ids(SamplingParams(**kwargs), self.vocab_size)
         except (SamplingParamsError, TypeError, ValueError) as e:
             raise P.ProtocolError(str(e), param=str(e).split(":", 1)[0]) from None
+        if kwargs.get("top_k") is not None and kwargs["top_k"] > self.vocab_size:
+            kwargs = dict(kwargs, top_k=self.vocab_size)  # the same distribution (the engine clamps too)
+        try:
+            sampling_to_proto(kwargs)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise P.ProtocolError(f"a sampling parameter is out of range: {e}") from None
         return kwargs
+
+
+_NOT_CAUGHT = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def tokenize_guarded(fn, param: str | None):
+    """`fn()` (render or tokenize); a failure inside the native tokenizer (tiktoken's regex panics on ~1M-character
+    runs of one character class, a pyo3 PanicException = BaseException) is a 400 naming `param`, as in
+    workers/serving/context.py."""
+    try:
+        return fn()
+    except _NOT_CAUGHT:
+        raise
+    except P.ProtocolError:
+        raise
+    except ValueError as e:
+        raise P.ProtocolError(str(e), param=param) from None
+    except BaseException as e:  # noqa: BLE001 - pyo3's PanicException derives from BaseException
+        log.info("tokenizer failed on %s: %s: %s", param, type(e).__name__, str(e)[:200])
+        raise P.ProtocolError(f"{param or 'input'}: the tokenizer cannot split this text (a very long run of one "
+                              "kind of character, such as whitespace); shorten or break it up", param=param) from None
 
 
 class RequestIdMiddleware:
@@ -312,10 +360,9 @@ def _job_id(request: Request, i: int = 0) -> str:
 async def chat_completions(gw: Gateway, request: Request) -> Response:
     req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest, await request.body())
     gw.check_model(req.model)
-    try:
-        rendered = render_chat(gw.tokenizer, req.plain_messages(), **req.render_kwargs())
-    except ValueError as e:
-        raise P.ProtocolError(str(e)) from None
+    gw.check_text_fits(sum(len(m.text() or "") for m in req.messages), "messages")
+    rendered = tokenize_guarded(lambda: render_chat(gw.tokenizer, req.plain_messages(), **req.render_kwargs()),
+                                "messages")
     ids = rendered.token_ids
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = P.resolve_max_tokens(len(ids), req.requested_max_tokens, gw.context_len(),
@@ -348,8 +395,12 @@ async def completions(gw: Gateway, request: Request) -> Response:
     ctx_len = gw.context_len()
     jobs, echo_texts = [], []
     for i, prompt in enumerate(prompts):
-        ids = gw.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        if isinstance(prompt, str):
+            gw.check_text_fits(len(prompt), param)
+            ids = tokenize_guarded(lambda p=prompt: gw.tokenizer.encode(p), param)
+        else:
+            ids = list(prompt)
         if not ids:
             raise P.ProtocolError(f"{param}: the prompt is empty", param=param)
         try:
