@@ -216,6 +216,25 @@ def test_prefill_killed_between_prefill_and_pull_recomputes(workers, models):
     toks, res = decode_hop(d1, "k2", prompts[2], 5, kvp2)
     assert toks == want[2] and (res["outcome"], res["reason"]) == ("recomputed", "peer_unreachable"), res
     assert time.monotonic() - t0 < 30
+    # a new prefill worker on the same address: the decode worker handshakes again and pulls
+    port = p2.addr.rsplit(":", 1)[1]
+    p2.proc = _start(models[0], "prefill", "--block-size", "16", "--grpc-port", port)
+    _wait_ready(p2.proc)
+    toks, res = pd(p2, d1, "k3", prompts[2], 5)
+    assert toks == want[2] and res["outcome"] == "pulled", res
+
+
+def test_a_peer_with_a_new_engine_id_is_fetched_again(workers, models):
+    """The cached metadata names engine X; parameters naming engine Y at the same address (a restart)
+    drop it and refetch; pages of an engine that is no longer there cost a recompute."""
+    prompt = [t % VOCAB for t in range(11, 58)]
+    want = reference_outputs(models[0], [prompt], 4)[0]
+    kvp = prefill_hop(workers["P1"], "eid-p", prompt, 4)
+    kvp.remote_engine_id = "restarted-elsewhere"
+    toks, res = decode_hop(workers["D1"], "eid", prompt, 4, kvp)
+    assert toks == want and (res["outcome"], res["reason"]) == ("recomputed", "peer_unreachable"), res
+    toks, res = pd(workers["P1"], workers["D1"], "eid2", prompt, 4)
+    assert toks == want and res["outcome"] == "pulled", res
 
 
 def test_compatibility_mismatch_is_a_clear_error(workers):

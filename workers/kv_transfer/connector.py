@@ -248,7 +248,9 @@ class NixlWorker(KVConnectorWorker):
         self._local: dict[tuple, object] = {}  # (ratio, parts) -> (DescriptorSide, prepped handle)
         self._inflight: list[_InFlight] = []
         self._failed: set[str] = set()
-        self._lock = threading.Lock()  # metadata requests come from the gRPC thread
+        self._handshakes: list = []  # (job, future of fetch_metadata, host, port)
+        self._pool = None
+        self._metadata = b""  # our agent's metadata, read once after registration (gRPC threads serve it)
 
     # setup -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv) -> None:
@@ -266,6 +268,7 @@ class NixlWorker(KVConnectorWorker):
                             "VRAM" if str(self.ctx.device).startswith("cuda") else "DRAM")
         self.geometry = PageGeometry.of(self.ctx.layout, kv.num_blocks, self.tp_size, self.tp_rank)
         self.peers = PeerCache(self.agent, self.factors)
+        self._metadata = self.agent.metadata()
 
     def transfer_metadata(self, pb, request):
         """Answer GetTransferMetadata (gRPC thread). Raises IncompatiblePeer on a hash mismatch."""
@@ -278,9 +281,8 @@ class NixlWorker(KVConnectorWorker):
             raise RuntimeError("the transfer agent is not started yet")
         theirs = json.loads(request.compatibility_factors) if request.compatibility_factors else None
         check_compatible(self.factors, request.compatibility_hash, theirs)
-        with self._lock:
-            return metadata_response(pb, engine_id=self.ctx.engine_id, factors=self.factors, agent=self.agent,
-                                     bases=self.bases, geometry=self.geometry)
+        return metadata_response(pb, engine_id=self.ctx.engine_id, factors=self.factors, agent_name=self.agent.name,
+                                 agent_metadata=self._metadata, bases=self.bases, geometry=self.geometry)
 
     # decode side -------------------------------------------------------------------------------
     def _sides(self, peer):
@@ -309,58 +311,89 @@ class NixlWorker(KVConnectorWorker):
         self.ledger.record(job.request_id, Outcome("recomputed", reason, 0, job.spec.num_local_tokens))
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
-        from k3serve.workers.kv_transfer.agent import TransferError
-        from k3serve.workers.kv_transfer.handshake import PeerUnreachable
-        from k3serve.workers.kv_transfer.views import plan_request
+        """Post each pull whose peer is known; fetch unknown peers' metadata off the engine thread."""
+        from k3serve.workers.kv_transfer.handshake import fetch_metadata
 
         for job in getattr(meta, "pulls", []):
-            p, spec = job.params, job.spec
+            p = job.params
             host, port = p.get("remote_host", ""), int(p.get("remote_port", 0))
+            peer = self.peers.cached(host, port, p.get("remote_engine_id", ""))
+            if peer is not None:
+                self._post(job, peer, host, port)
+                continue
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
+            fut = self._pool.submit(fetch_metadata, f"{host}:{port}", self.factors, self.peers.timeout_s)
+            self._handshakes.append((job, fut, host, port))
+
+    def _poll_handshakes(self) -> None:
+        from k3serve.workers.kv_transfer.handshake import PeerUnreachable
+
+        waiting = []
+        for job, fut, host, port in self._handshakes:
+            if not fut.done():
+                waiting.append((job, fut, host, port))
+                continue
             try:
-                peer = self.peers.get(host, port, p.get("remote_engine_id", ""))
-                mapping, (lside, lh), (rside, rh) = self._sides(peer)
+                peer = self.peers.install(host, port, job.params.get("remote_engine_id", ""), fut.result())
             except IncompatiblePeer as e:
                 self._fail(job, "incompatible", str(e))
                 continue
             except PeerUnreachable as e:
                 self._fail(job, "peer_unreachable", str(e))
                 continue
-            except PDGeometryError as e:
-                self._fail(job, "geometry", str(e))
+            except Exception as e:  # noqa: BLE001 - any handshake fault costs a recompute, never the request
+                self._fail(job, "peer_unreachable", repr(e))
                 continue
-            L, E = spec.num_local_tokens, spec.num_external_tokens
-            n = L + E
-            Bp = peer.geometry.block_size
-            layout = self.ctx.layout
-            mla_pairs, mla_loaded, kda_pairs = {}, {}, {}
-            try:
-                remote_groups = {int(g["group_id"]): list(g["block_ids"]) for g in p.get("remote_block_ids", [])}
-                for g in layout.groups:
-                    rb = remote_groups[g.group_id]
-                    if g.kind == "mla":
-                        pblocks = rb[L // Bp: math.ceil(n / Bp)]
-                        dblocks = spec.load_block_ids(layout, g.group_id)
-                        mla_pairs[g.group_id] = mapping.mla_block_pairs(pblocks, dblocks)
-                        mla_loaded[g.group_id] = dblocks
-                    else:
-                        kda_pairs[g.group_id] = (rb[0], spec.block_ids[g.group_id][0])
-                plan = plan_request(lside, rside, self.geometry.groups, mla_pairs, kda_pairs)
-                xfer = self.agent.read(lh, plan.local_ids, rh, plan.remote_ids,
-                                       notif=str(p.get("remote_request_id", "")).encode())
-            except (KeyError, IndexError, PDGeometryError) as e:
-                self._fail(job, "geometry", f"transfer parameters do not fit this layout: {e!r}")
-                continue
-            except TransferError as e:
-                self.peers.drop(host, port)
-                self._fail(job, "transfer_failed", str(e))
-                continue
-            now = time.monotonic()
-            self._inflight.append(_InFlight(job, xfer, now, now + self.timeout_s, plan,
-                                            (mla_loaded, E, kda_pairs, lside), host, port))
+            self._post(job, peer, host, port)
+        self._handshakes = waiting
+
+    def _post(self, job: PullJob, peer, host: str, port: int) -> None:
+        from k3serve.workers.kv_transfer.agent import TransferError
+        from k3serve.workers.kv_transfer.views import plan_request
+
+        p, spec = job.params, job.spec
+        try:
+            mapping, (lside, lh), (rside, rh) = self._sides(peer)
+        except PDGeometryError as e:
+            self._fail(job, "geometry", str(e))
+            return
+        L, E = spec.num_local_tokens, spec.num_external_tokens
+        n = L + E
+        Bp = peer.geometry.block_size
+        layout = self.ctx.layout
+        mla_pairs, mla_loaded, kda_pairs = {}, {}, {}
+        try:
+            remote_groups = {int(g["group_id"]): list(g["block_ids"]) for g in p.get("remote_block_ids", [])}
+            for g in layout.groups:
+                rb = remote_groups[g.group_id]
+                if g.kind == "mla":
+                    pblocks = rb[L // Bp: math.ceil(n / Bp)]
+                    dblocks = spec.load_block_ids(layout, g.group_id)
+                    mla_pairs[g.group_id] = mapping.mla_block_pairs(pblocks, dblocks)
+                    mla_loaded[g.group_id] = dblocks
+                else:
+                    kda_pairs[g.group_id] = (rb[0], spec.block_ids[g.group_id][0])
+            plan = plan_request(lside, rside, self.geometry.groups, mla_pairs, kda_pairs)
+            xfer = self.agent.read(lh, plan.local_ids, rh, plan.remote_ids,
+                                   notif=str(p.get("remote_request_id", "")).encode())
+        except (KeyError, IndexError, PDGeometryError) as e:
+            self._fail(job, "geometry", f"transfer parameters do not fit this layout: {e!r}")
+            return
+        except TransferError as e:
+            self.peers.drop(host, port)
+            self._fail(job, "transfer_failed", str(e))
+            return
+        now = time.monotonic()
+        self._inflight.append(_InFlight(job, xfer, now, now + self.timeout_s, plan,
+                                        (mla_loaded, E, kda_pairs, lside), host, port))
 
     def get_finished(self) -> KVConnectorOutput:
         from k3serve.workers.kv_transfer.views import zero_unreceived
 
+        self._poll_handshakes()
         out = KVConnectorOutput()
         still = []
         for f in self._inflight:
@@ -401,6 +434,8 @@ class NixlWorker(KVConnectorWorker):
         return out
 
     def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         for f in self._inflight:
             f.xfer.release()
         self._inflight = []

@@ -43,11 +43,11 @@ def find_nixl(engine):
 
 def _describe_remote_mismatch(nixl, params: dict) -> str:
     """Ask the prefill worker to compare factors (its FAILED_PRECONDITION names the difference)."""
-    from k3serve.workers.kv_transfer.handshake import PeerUnreachable
+    from k3serve.workers.kv_transfer.handshake import PeerUnreachable, fetch_metadata
 
+    addr = f"{params.get('remote_host', '')}:{int(params.get('remote_port', 0))}"
     try:
-        nixl.worker_half.peers.get(params.get("remote_host", ""), int(params.get("remote_port", 0)),
-                                   params.get("remote_engine_id", ""))
+        fetch_metadata(addr, nixl.factors)
     except IncompatiblePeer as e:
         return str(e)
     except PeerUnreachable:

@@ -1,8 +1,9 @@
 """Handshake over the worker's own gRPC (`GetTransferMetadata`), never NIXL's listener (design doc §5.3).
 
-`PeerCache` fetches a prefill worker's metadata once per (host, port), checks the compatibility hash
-first (IncompatiblePeer names the differing invariants), adds the peer's NIXL agent, and keeps the
-result until the peer's engine id changes (a restart: refetch, old agent removed) or a transfer from
+`fetch_metadata` asks a prefill worker for its metadata and checks the compatibility hash first
+(IncompatiblePeer names the differing invariants); it makes no NIXL call, so the connector runs it off
+the engine thread. `PeerCache` (engine thread) installs the peer's NIXL agent once per (host, port) and
+keeps it until the peer's engine id changes (a restart: refetch, old agent removed) or a transfer from
 it fails (`drop`).
 """
 
@@ -41,13 +42,36 @@ class Peer:
     remote_side: object = None  # connector-owned: the peer's DescriptorSide
 
 
-def metadata_response(pb, *, engine_id: str, factors: dict, agent, bases: list[int], geometry: PageGeometry):
+def metadata_response(pb, *, engine_id: str, factors: dict, agent_name: str, agent_metadata: bytes,
+                      bases: list[int], geometry: PageGeometry):
     """The TransferMetadataResponse a worker answers with (`pb`: k3serve.proto.worker_pb2)."""
     return pb.TransferMetadataResponse(
         engine_id=engine_id, compatibility_hash=compatibility_hash(factors), compatibility_factors=canonical(factors),
-        agent_name=agent.name, agent_metadata=agent.metadata(), region_base_addrs=[int(b) for b in bases],
+        agent_name=agent_name, agent_metadata=agent_metadata, region_base_addrs=[int(b) for b in bases],
         num_blocks=geometry.num_blocks, page_bytes=geometry.page_bytes, block_size=geometry.block_size,
         tp_size=geometry.tp_size, tp_rank=geometry.tp_rank, layout=geometry.to_json())
+
+
+def fetch_metadata(addr: str, factors: dict, timeout_s: float = HANDSHAKE_TIMEOUT_S):
+    """GetTransferMetadata from `addr`, compatibility checked (any thread: no NIXL call).
+    Raises IncompatiblePeer (the message names the difference) or PeerUnreachable."""
+    import grpc
+
+    from k3serve.proto import worker_pb2 as pb
+    from k3serve.proto import worker_pb2_grpc as pb_grpc
+
+    req = pb.TransferMetadataRequest(compatibility_hash=compatibility_hash(factors),
+                                     compatibility_factors=canonical(factors))
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            resp = pb_grpc.WorkerStub(ch).GetTransferMetadata(req, timeout=timeout_s)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            raise IncompatiblePeer(e.details()) from None
+        raise PeerUnreachable(f"handshake with {addr} failed: {e.code().name}: {e.details()}") from None
+    theirs = json.loads(resp.compatibility_factors) if resp.compatibility_factors else None
+    check_compatible(factors, resp.compatibility_hash, theirs)
+    return resp
 
 
 class PeerCache:
@@ -59,7 +83,8 @@ class PeerCache:
         self.fetches = 0
         self._lock = threading.Lock()
 
-    def get(self, host: str, port: int, engine_id: str) -> Peer:
+    def cached(self, host: str, port: int, engine_id: str) -> Peer | None:
+        """The cached peer if it still runs `engine_id`; a restarted peer's entry is dropped (engine thread)."""
         addr = f"{host}:{port}"
         with self._lock:
             p = self.peers.get(addr)
@@ -67,35 +92,32 @@ class PeerCache:
                 return p
             if p is not None:  # restarted (new engine id): forget the old agent
                 self._drop_locked(addr)
-        peer = self._fetch(addr)
-        if peer.engine_id != engine_id:
-            raise PeerUnreachable(f"{addr} now runs engine {peer.engine_id}, not {engine_id} (it restarted: "
+        return None
+
+    def install(self, host: str, port: int, engine_id: str, resp) -> Peer:
+        """Add a fetched peer's NIXL agent (engine thread: the agent is not shared with other threads)."""
+        addr = f"{host}:{port}"
+        if resp.engine_id != engine_id:
+            raise PeerUnreachable(f"{addr} now runs engine {resp.engine_id}, not {engine_id} (it restarted: "
                                   "the pages of this request are gone)")
         with self._lock:
+            old = self.peers.get(addr)
+            if old is not None and old.engine_id == resp.engine_id:
+                return old
+            if old is not None:
+                self._drop_locked(addr)
+            name = self.agent.add_peer(bytes(resp.agent_metadata))
+            theirs = json.loads(resp.compatibility_factors) if resp.compatibility_factors else {}
+            peer = Peer(addr, resp.engine_id, name, list(resp.region_base_addrs), PageGeometry.from_json(resp.layout),
+                        theirs, {})
             self.peers[addr] = peer
+            self.fetches += 1
         return peer
 
-    def _fetch(self, addr: str) -> Peer:
-        import grpc
-
-        from k3serve.proto import worker_pb2 as pb
-        from k3serve.proto import worker_pb2_grpc as pb_grpc
-
-        self.fetches += 1
-        req = pb.TransferMetadataRequest(compatibility_hash=compatibility_hash(self.factors),
-                                         compatibility_factors=canonical(self.factors))
-        try:
-            with grpc.insecure_channel(addr) as ch:
-                resp = pb_grpc.WorkerStub(ch).GetTransferMetadata(req, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise IncompatiblePeer(e.details()) from None
-            raise PeerUnreachable(f"handshake with {addr} failed: {e.code().name}: {e.details()}") from None
-        theirs = json.loads(resp.compatibility_factors) if resp.compatibility_factors else None
-        check_compatible(self.factors, resp.compatibility_hash, theirs)
-        name = self.agent.add_peer(bytes(resp.agent_metadata))
-        return Peer(addr, resp.engine_id, name, list(resp.region_base_addrs), PageGeometry.from_json(resp.layout),
-                    theirs or {}, {})
+    def get(self, host: str, port: int, engine_id: str) -> Peer:
+        """cached() or a blocking fetch + install (tools and tests; the connector fetches off-thread)."""
+        return self.cached(host, port, engine_id) or self.install(
+            host, port, engine_id, fetch_metadata(f"{host}:{port}", self.factors, self.timeout_s))
 
     def drop(self, host: str, port: int) -> None:
         with self._lock:
