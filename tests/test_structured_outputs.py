@@ -316,3 +316,28 @@ def test_marker_guard_blocks_spelled_markers(llm):
         row = fill_bitmasks([st], cache.vocab_size)[0]
         assert (row[bar // 32] >> (bar % 32)) & 1
     assert allowed == {False: True, True: False}
+
+
+def test_failed_compile_raises_once_and_aborted_held_requests_are_dropped(llm):
+    from concurrent.futures import Future
+
+    eng = llm.engine
+    cache = eng.structured.cache
+    so = StructuredOutputsParams(regex="[a-z]{2}")
+    failing, never = Future(), Future()
+    real_compile = cache.compile
+    cache.compile = lambda key: failing
+    try:
+        eng.add_request("fails", [1], SamplingParams(max_tokens=4, structured_outputs=so))
+    finally:
+        cache.compile = lambda key: never
+    try:
+        eng.add_request("aborted", [1], SamplingParams(max_tokens=4, structured_outputs=so))
+    finally:
+        cache.compile = real_compile
+    failing.set_exception(StructuredOutputError("compile failed"))
+    with pytest.raises(StructuredOutputError, match="compile failed"):
+        eng.step()
+    eng.abort_request(["fails", "aborted"])
+    eng.step()
+    assert not eng.has_unfinished_requests() and len(eng.structured) == 0

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import torch
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
 
 
 def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Tensor[R, W] int32 -> Tensor[R, vocab] bool (True = allowed), on the bitmask's device."""
-    shifts = _SHIFTS.get(bitmask.device)
-    if shifts is None:
-        shifts = _SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+    """Tensor[R, W] int32 -> Tensor[R, vocab] bool (True = allowed), on the bitmask's device.
+
+    Little-endian words, so byte k of the row holds tokens 8k .. 8k+7; each byte is looked up in a
+    [256, 8] bool table (one gather, no 32x int32 intermediate).
+    """
+    table = _BYTE_BITS.get(bitmask.device)
+    if table is None:
+        table = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+        table = _BYTE_BITS[bitmask.device] = table.to(bitmask.device)
+    rows = bitmask.shape[0]
+    byte_view = bitmask.contiguous().view(torch.uint8).view(rows, -1)
+    return table[byte_view.long()].view(rows, -1)[:, :vocab]
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:

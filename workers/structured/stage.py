@@ -11,7 +11,8 @@ until its grammar is compiled; the other requests keep running meanwhile.
 
 A held request that gets aborted (its status finished) is dropped at the next `pop_ready`. A grammar
 whose background compile fails (validation already passed, so only an internal XGrammar failure)
-raises from `pop_ready`.
+raises from `pop_ready` once, after dropping its requests: the step fails, and the serving layer's
+step-failure containment (workers/async_engine.py) fails the requests in flight with a 500.
 """
 
 from __future__ import annotations
@@ -65,11 +66,16 @@ class StructuredStage:
         """Held requests whose grammar is ready (matcher attached), in arrival order.
 
         `block`: nothing else can run, so wait up to `block_wait_s` for a compile instead of spinning.
+        A failed compile raises here once (its requests are dropped from the stage first).
         """
         if not self._held:
             return []
         if block and not any(f.done() for _, _, f in self._held):
             wait([f for _, _, f in self._held], timeout=self.block_wait_s, return_when=FIRST_COMPLETED)
+        failed = [item for item in self._held if item[2].done() and item[2].exception() is not None]
+        if failed:
+            self._held = [item for item in self._held if item not in failed]
+            raise failed[0][2].exception()
         from k3serve.workers.structured.matcher import GrammarState
 
         ready, keep = [], []
