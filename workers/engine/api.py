@@ -27,7 +27,8 @@ How to add a field (its flag appears in `serve` and `worker` by itself):
 * The value parser: `parse=` a function str -> value that raises ValueError with a readable message
   (argparse prints it as `argument --my-budget: <message>`, exit 2). Without `parse=` it follows the
   default's type (int, float, str). A bool field with default False is a switch (`--my-switch`); with
-  default None it is `--my-switch/--no-my-switch` (None = let the engine decide). `choices=` restricts
+  default None (annotated `bool | None`) it is `--my-switch/--no-my-switch` (None = the engine decides);
+  any other field with default None and no `parse=` takes a string. `choices=` restricts
   the values (and is shown in `--help`). Sizes use `parse_size` (k3serve/common/sizes.py: 8G, 8GiB,
   512M, plain bytes) so every size flag reads the same way; `positive_int` and `non_negative_int` are
   below. Checks that need several fields or the model (a unit dividing the block size, a budget too
@@ -41,6 +42,7 @@ How to add a field (its flag appears in `serve` and `worker` by itself):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 from typing import Any
@@ -130,6 +132,9 @@ def _first(names: list[str] | None) -> str | None:
 
 @dataclass
 class EngineArgs:
+    def __post_init__(self) -> None:
+        self.model = os.path.expanduser(str(self.model))  # `~/...` works from Python as in a shell
+
     model: str = arg(MISSING, "checkpoint directory", cli=False)  # each command spells it its own way
     max_model_len: int | None = arg(
         None, "context length, prompt + output (default: the model's max_position_embeddings, capped at 8192)",
