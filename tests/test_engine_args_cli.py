@@ -15,11 +15,17 @@ from k3serve.common.sizes import format_size, parse_size
 from k3serve.workers import generate_cli, serve, worker
 from k3serve.workers.engine import api
 from k3serve.workers.engine.api import CLI, EngineArgs, arg
-from k3serve.workers.engine_cli import HAND_WRITTEN, add_engine_args, engine_args_from, engine_flags
+from k3serve.workers.engine_cli import (
+    HAND_WRITTEN,
+    add_engine_args,
+    engine_args_from,
+    engine_flags,
+    is_switch,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {"serve": (serve, ["/m"]), "worker": (worker, ["--model", "/m"]), "generate": (generate_cli, None)}
-CANDIDATES = ("7", "3M", "dense", "0.5", "x")  # tried in order for a field's non-default CLI value
+CANDIDATES = ("7", "3M", "dense", "0.5", "x", "h:1")  # tried in order for a field's non-default CLI value
 
 
 def _parser(module):
@@ -39,15 +45,14 @@ def _options(p: argparse.ArgumentParser) -> set[str]:
 
 def _non_default(field, spec, opt) -> tuple[list[str], object]:
     """argv setting `field` to something other than its default, and the value EngineArgs must get."""
-    if isinstance(field.default, bool) or (field.default is None and spec.parse is None and not spec.nargs
-                                           and not spec.choices):
+    if is_switch(field):
         return [opt], True
     if spec.choices:
         v = next(c for c in spec.choices if c != field.default)
         return [opt, v], v
     if spec.nargs:
         return [opt, "a", "b"], spec.to_field(["a", "b"]) if spec.to_field else ["a", "b"]
-    parse = spec.parse or type(field.default)
+    parse = spec.parse or (type(field.default) if field.default is not None else str)
     for text in CANDIDATES:
         try:
             v = parse(text)
@@ -137,3 +142,11 @@ def test_kv_cache_memory_flag_uses_the_size_parser():
     assert engine_args_from(p.parse_args(["/m", "--kv-cache-memory", "8GiB"]), "/m").kv_cache_memory == 8 << 30
     assert engine_args_from(p.parse_args(["/m", "--kv-cache-memory", "1.5G"]), "/m").kv_cache_memory == 3 << 29
     assert engine_args_from(p.parse_args(["/m", "--kv-cache-memory", "0.9"]), "/m").kv_cache_memory == 0.9
+
+
+def test_model_paths_accept_the_home_shorthand():
+    import os
+
+    assert EngineArgs(model="~/models/tiny").model == os.path.expanduser("~/models/tiny") != "~/models/tiny"
+    p = _parser(serve)
+    assert engine_args_from(p.parse_args(["~/m"]), "~/m").model == os.path.expanduser("~/m")

@@ -45,6 +45,8 @@ HAND_WRITTEN: dict[str, dict[str, str]] = {
         "--host": "bind address of the HTTP server", "--port": "HTTP port (0 picks a free one)",
         "--api-key-file": "Bearer auth for /v1/* (the server's, not the engine's)",
         "--num-threads": "torch CPU threads of the process", "--log-level": "process logging",
+        "--kv-events-zmq": "publish KV events over ZMQ (workers/kv_events_zmq.py), a server-side publisher",
+        "--kv-events-zmq-replay": "the ZMQ replay endpoint", "--kv-events-zmq-topic": "the ZMQ topic",
     },
     "worker": {
         "--model": "checkpoint directory (becomes EngineArgs.model; spelled as the pod contract does)",
@@ -54,7 +56,6 @@ HAND_WRITTEN: dict[str, dict[str, str]] = {
         "--tensor-parallel-size": "ranks of the process group (pod contract)",
         "--data-parallel-size": "ranks of the process group (pod contract)",
         "--expert-parallel": "expert sharding over the ranks (pod contract)",
-        "--kv-store": "Mooncake master address (pod contract)",
         "--num-threads": "torch CPU threads of the process", "--log-level": "process logging",
     },
     "generate": {  # builds no EngineArgs from flags: `--engine reference` runs the reference forward
@@ -104,6 +105,11 @@ def engine_flags():
             yield f, spec, spec.flag or "--" + f.name.replace("_", "-")
 
 
+def is_switch(f) -> bool:
+    """A bool field (annotation `bool` or `bool | None`): a flag without a value."""
+    return isinstance(f.default, bool) or str(f.type).replace(" ", "") in ("bool", "bool|None", "None|bool")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine flags, generated from the EngineArgs fields, plus --num-threads and --log-level."""
     g = p.add_argument_group("engine")
@@ -113,8 +119,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if default is not None and default is not False and "default" not in help_:
             help_ += " (default: %(default)s)"
         kw: dict = {"dest": f.name, "default": default, "help": help_}
-        if isinstance(default, bool) or (default is None and spec.parse is None and spec.nargs is None
-                                         and spec.choices is None):
+        if is_switch(f):
             # a switch: False -> --flag; None -> --flag/--no-flag (unset: the engine decides)
             kw["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
         else:
