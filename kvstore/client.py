@@ -93,6 +93,7 @@ class StoreClient:
                 return True
         if not master_reachable(self.master):
             return False
+        os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's INFO lines: one per call otherwise
         from mooncake.store import MooncakeDistributedStore
 
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(self.setup_retries))

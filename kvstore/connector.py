@@ -28,7 +28,9 @@ store), `staging_bytes` (registered staging for loads and for saves, each), `loc
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -195,6 +197,8 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             keys.append(self.space.key(salt, g, h))
             blocks.append((g, spec.block_ids[g][0]))
         self._loads.append(_Load(request.request_id, spec.num_external_tokens, keys, blocks))
+        for k in keys:  # loaded pages get keyed locally: never put them back
+            self._saved[k] = None
         self.counters["lookup_hits"] += 1
 
     # -- saves ----------------------------------------------------------------------------------
@@ -373,8 +377,17 @@ class StoreConnectorWorker(KVConnectorWorker):
         self.service.close()
 
 
-def store_options(extra: dict) -> dict:
-    opts = {**DEFAULTS, **{k: v for k, v in extra.items() if v is not None}}
+def store_options(ctx: ConnectorContext) -> dict:
+    """Options from the EngineArgs `kv_store*` fields (ctx.args), overridden by ctx.extra_config."""
+    a = ctx.args
+    from_args = {}
+    if a is not None:
+        from_args = dict(master=getattr(a, "kv_store", None), deadline_ms=getattr(a, "kv_store_deadline_ms", None),
+                         segment_bytes=getattr(a, "kv_store_segment_bytes", None),
+                         staging_bytes=getattr(a, "kv_store_staging_bytes", None))
+    env_segment = os.environ.get("K3SERVE_KV_STORE_SEGMENT_BYTES")  # the operator's pods set it
+    defaults = {**DEFAULTS, **({"segment_bytes": int(env_segment)} if env_segment else {})}
+    opts = {**defaults, **{k: v for k, v in {**from_args, **ctx.extra_config}.items() if v is not None}}
     if not opts.get("master"):
         raise ValueError("kv store: no master address (EngineArgs.kv_store, --kv-store HOST:PORT)")
     if int(opts["deadline_ms"]) <= 0:
@@ -383,7 +396,7 @@ def store_options(extra: dict) -> dict:
 
 
 def make_store_connector(ctx: ConnectorContext) -> KVConnector:
-    opts = store_options(ctx.extra_config)
+    opts = store_options(ctx)
     if not ctx.enable_prefix_caching:
         raise ValueError("kv store: needs enable_prefix_caching (the store holds prefix-cache entries)")
     obj = ctx.layout.group_size * ctx.layout.page_bytes
@@ -400,6 +413,7 @@ def make_store_connector(ctx: ConnectorContext) -> KVConnector:
     worker = StoreConnectorWorker(ctx, service, int(opts["staging_bytes"]))
     sched.worker_counters = worker.counters
     service.start()
+    atexit.register(service.close)  # close the native client before interpreter teardown
     return KVConnector(sched, worker)
 
 

@@ -109,6 +109,9 @@ class StoreService:
         return self
 
     def close(self) -> None:
+        """Stop probing and the lanes, then close the client (idempotent)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._prober is not None:
             self._prober.join(10)

@@ -182,6 +182,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             kda_slots_total=int(s.get("kda_slots_total", 0)), max_model_len=self.engine.max_model_len,
             model=self.model_name, role=self.role, kv_event_sequence=self.kv_events.last_sequence)
 
+    async def StoreLookup(self, request: pb.StoreLookupRequest, context) -> pb.StoreLookupResponse:
+        """How much of the prompt the Mooncake store can supply (k3serve/kvstore/connector.py)."""
+        import asyncio
+
+        from k3serve.kvstore.connector import store_lookup
+
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        status, tokens, block, unit = await asyncio.to_thread(
+            store_lookup, self.engine, list(request.prompt_token_ids), salt)
+        codes = {"ok": pb.StoreLookupResponse.OK, "no_store": pb.StoreLookupResponse.NO_STORE,
+                 "unavailable": pb.StoreLookupResponse.UNAVAILABLE,
+                 "deadline": pb.StoreLookupResponse.DEADLINE_EXCEEDED}
+        return pb.StoreLookupResponse(status=codes[status], num_tokens=tokens, block_size=block, hash_unit=unit)
+
     async def SubscribeKvEvents(self, request: pb.KvEventsRequest, context: grpc.aio.ServicerContext):
         try:
             sub = await self.kv_events.subscribe()

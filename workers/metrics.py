@@ -148,6 +148,22 @@ class EngineMetrics:
             if delta > 0:
                 self.m[metric].labels(model_name=self.model_name, **dict(labels)).inc(delta)
             self._cumulative[(metric, labels, key)] = value
+        self._store_series(stats)
+
+    def _store_series(self, stats: dict) -> None:
+        """The Mooncake store tier's `kv_store_*` stats (k3serve/kvstore/metrics.py maps them)."""
+        from k3serve.kvstore.metrics import series
+
+        for metric, labels, value, kind in series(stats):
+            child = self.m[metric].labels(model_name=self.model_name, **labels)
+            if kind == "gauge":
+                child.set(value)
+                continue
+            key = (metric, tuple(sorted(labels.items())), "kv_store")
+            delta = value - self._cumulative.get(key, 0.0)
+            if delta > 0:
+                child.inc(delta)
+            self._cumulative[key] = value
 
     @property
     def in_flight(self) -> int:

@@ -27,13 +27,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--metrics-port", type=int, default=9100, help="0 picks a free port")
-    # Parallel layout and store address: part of the pod contract (docs/components.md), so every
-    # rendered command line parses; layouts beyond one process are refused with a clear message.
+    # Parallel layout (the store address --kv-store is an EngineArgs field): part of the pod contract
+    # (docs/components.md), so every rendered command line parses; layouts beyond one process are refused with a clear message.
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="attention TP ranks (1 today)")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="attention DP ranks (1 today)")
     parser.add_argument("--expert-parallel", action="store_true", help="shard experts over the ranks")
-    parser.add_argument("--kv-store", default=None, metavar="ADDR",
-                        help="Mooncake master address (store connector: not available yet)")
     add_engine_args(parser)
 
 
@@ -159,9 +157,6 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"k3serve worker: {problem}", flush=True)
         return 2
-    if args.kv_store:
-        print(f"k3serve worker: note: --kv-store {args.kv_store} given, but the Mooncake store connector is "
-              "not available yet; serving from the local prefix cache only", flush=True)
     add_role_connectors(args)
     # both ports are checked before the engine loads (minutes for a real checkpoint)
     msock = bind_or_exit(args.host, args.metrics_port, flag="--metrics-port", prog=PROG)

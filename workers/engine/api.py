@@ -126,6 +126,14 @@ def _positive_seconds(text: str) -> float:
     return v
 
 
+def host_port(text: str) -> str:
+    """HOST:PORT (a name, an IPv4 address or a bracketed IPv6 address, and a port 1-65535)."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return text.strip()
+
+
 def _first(names: list[str] | None) -> str | None:
     return names[0] if names else None
 
@@ -171,6 +179,20 @@ class EngineArgs:
     kv_connectors: tuple[str, ...] = arg(
         (), "KV connectors after the host tier, in order (names from workers/engine/kv_connector/factory.py)",
         nargs="+", to_field=tuple, metavar="NAME")
+    # Mooncake store tier (k3serve/kvstore/, docs/kvstore.md): the tier after the host tier
+    kv_store: str | None = arg(
+        None, "Mooncake master HOST:PORT: share prefix-cache entries (MLA pages + KDA snapshots) with every "
+        "worker of the same geometry through the store (needs --enable-prefix-caching)", flag="--kv-store",
+        parse=host_port, metavar="HOST:PORT")
+    kv_store_deadline_ms: int = arg(
+        50, "longest wait on the store per lookup and per load (ms); past it the request recomputes",
+        parse=positive_int)
+    kv_store_segment_bytes: int | None = arg(
+        None, "memory this worker contributes to the store (default: $K3SERVE_KV_STORE_SEGMENT_BYTES, else 256M)",
+        parse=parse_size, metavar="SIZE")
+    kv_store_staging_bytes: int = arg(
+        64 << 20, "registered staging memory for store loads and for saves, each (a larger hit is not loaded)",
+        parse=parse_size, metavar="SIZE")
     # P/D transfers (workers/kv_transfer/, docs/serving.md "P/D"): used by `worker --role prefill|decode`
     kv_transfer_devices: str | None = arg(
         None, "UCX network devices for P/D KV transfers (UCX_NET_DEVICES, e.g. mlx5_0:1,eth0); unset: same-host "

@@ -121,7 +121,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, eviction=args.prefix_cache_eviction, block_size=layout.block_size,
                               record_events=caching)
         want_connectors = bool(getattr(args, "kv_offload_memory", None) or getattr(args, "kv_connectors", ())
-                               or kv_connectors)
+                               or getattr(args, "kv_store", None) or kv_connectors)
         fp = model_fingerprint(args.model) if caching or want_connectors else b"\0" * 32
         self.kv_manager = KVCacheCoordinator(
             layout, self.pool, enable_caching=caching, hash_unit=args.prefix_match_unit,
@@ -178,6 +178,8 @@ class LLMEngine:
                                enable_prefix_caching=bool(args.enable_prefix_caching), args=args)
         names = (["host-offload"] if getattr(args, "kv_offload_memory", None) else []) + list(
             getattr(args, "kv_connectors", ()) or ())
+        if getattr(args, "kv_store", None) and "mooncake-store" not in names:
+            names.append("mooncake-store")  # the store tier after the host tier (docs/kvstore.md)
         conns = [build_connector(n, ctx) for n in names] + extra
         conn = compose(ctx, conns)
         self.kv_manager.attach_connector(conn.scheduler)

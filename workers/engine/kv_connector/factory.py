@@ -18,6 +18,7 @@ Factory = Callable[[ConnectorContext], KVConnector]
 BUILTIN_CONNECTORS: dict[str, str] = {
     "host-offload": "k3serve.workers.engine.kv_connector.host_offload:make_host_offload_connector",
     "nixl": "k3serve.workers.kv_transfer.connector:make_nixl_connector",
+    "mooncake-store": "k3serve.kvstore.connector:make_store_connector",
 }
 _REGISTRY: dict[str, Factory | str] = dict(BUILTIN_CONNECTORS)
 
