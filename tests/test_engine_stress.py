@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from _engine_helpers import tight_kv_budget
 
 from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
 
 
-def test_random_workload_frees_every_page(tiny_model_dir):
+@pytest.mark.parametrize("offload", [None, 32 << 20], ids=["device-only", "host-tier"])
+def test_random_workload_frees_every_page(tiny_model_dir, offload):
     budget = tight_kv_budget(tiny_model_dir, 160, extra_blocks=3, block_size=16, enable_prefix_caching=True)
     llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=160, block_size=16, max_num_batched_tokens=48,
               max_num_seqs=8, enable_prefix_caching=True, prefix_match_unit=8, kv_cache_memory=budget,
               prefix_cache_retention_interval=32, prefix_cache_selective_retention=True,
-              prefix_cache_eviction="compute-per-byte")
+              prefix_cache_eviction="compute-per-byte", kv_offload_memory=offload)
     eng = llm.engine
     rng = random.Random(11)
     shared = [rng.randrange(576) for _ in range(40)]
@@ -59,3 +61,8 @@ def test_random_workload_frees_every_page(tiny_model_dir):
     assert eng.pool.num_free == eng.pool.num_usable
     assert all(b.ref_cnt == 0 for b in eng.pool.blocks)
     assert eng.kv_manager.reqs == {}
+    if offload:
+        st = eng.stats()
+        assert st["kv_offload_stored_blocks"] > 0 and st["kv_offload_hit_tokens"] > 0
+        host = eng.connector.scheduler.children[0].host
+        assert all(b.ref_cnt == 0 for b in host.blocks), "a host slot stayed pinned"
