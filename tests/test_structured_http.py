@@ -6,6 +6,7 @@ response_format / structured_outputs / strict tools / tool_choice become Samplin
 """
 
 import json
+import re
 from types import SimpleNamespace
 
 import _serve_fakes as fakes  # tests/ is on sys.path (conftest)
@@ -132,3 +133,25 @@ def test_bad_structured_requests_are_400(env, body, needle):
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
     assert httpx.get(env.url + "/health").status_code == 200
+
+
+def test_worker_grpc_passes_structured_outputs(tiny_model_dir):
+    """worker.proto carries the constraint: the gRPC worker enforces it and rejects a bad one with
+    INVALID_ARGUMENT (the router turns that into a 400)."""
+    import grpc
+    from test_worker_grpc import Loop, Worker, req  # the gRPC harness of tests/test_worker_grpc.py
+
+    loop = Loop()
+    w = Worker(loop, LLMEngine(EngineArgs(model=str(tiny_model_dir), max_model_len=256)))
+    try:
+        resps = w.generate(req("s1", [5, 6], max_tokens=20, temperature=1.0, seed=2,
+                               structured_outputs={"regex": "[0-9]{2}-[a-z]{2}"}), timeout=120)
+        text = "".join(o.text for r in resps for o in r.outputs)
+        finish = [o.finish_reason for r in resps for o in r.outputs if o.HasField("finish_reason")]
+        assert finish == ["stop"] and re.fullmatch("[0-9]{2}-[a-z]{2}", text), text
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            w.generate(req("s2", [5], max_tokens=4, structured_outputs={"grammar": "root ::= nowhere"}))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nowhere" in e.value.details()
+    finally:
+        w.close()
+        loop.close()
