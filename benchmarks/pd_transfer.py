@@ -10,13 +10,16 @@ make_prepped_xfer per request) into scattered (random) or contiguous block ids, 
 the transferred ranges against the source bytes.
 Configs: `tiny` (the tiny preset, float32) and `k3-rank` (K3's per-rank state at TP8: 12 KDA heads x 128,
 conv kernel 4, bf16 conv + fp32 recurrent state, MLA latent 512 + 64 rope in bf16, block 768 as on
-the GPU; 6 KDA + 2 MLA layers). The baseline is one single-threaded contiguous copy of the request's
-byte count (torch, 1 thread, like the UCX path), so `ratio` = memcpy time / transfer time.
+the GPU; 6 KDA + 2 MLA layers). Baselines, measured in the same run: `memcpy`, one single-threaded
+contiguous copy of the request's byte count (torch, 1 thread, like the UCX path; `ratio` = memcpy time /
+transfer time), and `ranges`, the request's own descriptor ranges copied page to page inside one process
+(ctypes.memmove per descriptor; `ratio ranges` = that time / transfer time).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import multiprocessing as mp
 import os
@@ -149,6 +152,17 @@ def run_config(name: str, tokens: list[int], reps: int) -> list[list]:
                 got = kv.pages[jl].view(-1)[la - kv.pages[jl].data_ptr(): la - kv.pages[jl].data_ptr() + ll]
                 want = src[j].view(-1)[ra - rbases[j]: ra - rbases[j] + ll]
                 assert torch.equal(got, want), "a transferred range differs from the source"
+            # the same ranges copied inside one process (ctypes.memmove per descriptor pair)
+            sside = DescriptorSide(rgeom, [t.data_ptr() for t in src], mapping, sub, local=False)
+            pairs = [(int(lside.descs[i][0]), int(sside.descs[k][0]), int(lside.descs[i][1]))
+                     for i, k in zip(plan.local_ids, plan.remote_ids)]
+            mv = []
+            for i in range(reps + 2):
+                t0 = time.perf_counter()
+                for d, s_, ln in pairs:
+                    ctypes.memmove(d, s_, ln)
+                if i >= 2:
+                    mv.append(time.perf_counter() - t0)
             a, b = torch.empty(total, dtype=torch.uint8), torch.randint(0, 256, (total,), dtype=torch.uint8)
             mc = []
             for i in range(reps + 2):
@@ -156,11 +170,11 @@ def run_config(name: str, tokens: list[int], reps: int) -> list[list]:
                 a.copy_(b)
                 if i >= 2:
                     mc.append(time.perf_counter() - t0)
-            t, m = statistics.median(times), statistics.median(mc)
+            t, m, v = statistics.median(times), statistics.median(mc), statistics.median(mv)
             rows.append([name, n, placement, plan.bytes_by_view["mla"], plan.bytes_by_view["kda_conv"],
                          plan.bytes_by_view["kda_ssm"], plan.num_descriptors, round(t * 1e3, 3),
                          round(total / t / 1e9, 2), round(m * 1e3, 3), round(total / m / 1e9, 2), round(m / t, 2),
-                         round(prep_ms, 1)])
+                         round(v * 1e3, 3), round(v / t, 2), round(prep_ms, 1)])
         agent.release_dlist(lh)
         agent.release_dlist(rh)
         agent.close()
@@ -181,7 +195,7 @@ def main(argv=None) -> int:
     for name in args.configs.split(","):
         rows += run_config(name, tokens, args.reps)
     print_table(["config", "tokens", "blocks", "mla B", "kda_conv B", "kda_ssm B", "descs", "xfer ms", "xfer GB/s",
-                 "memcpy ms", "memcpy GB/s", "ratio", "prep ms"], rows)
+                 "memcpy ms", "memcpy GB/s", "ratio", "ranges ms", "ratio ranges", "prep ms"], rows)
     return 0
 
 
