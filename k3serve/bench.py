@@ -41,6 +41,7 @@ class Req:
     messages: list[dict] | None = None  # agentic dataset (filled when the turn starts)
     user: str = ""
     max_tokens: int = 16
+    branch: int = 0  # agentic: parallel branches of one turn (tool calls explored at once); 0 continues
 
 
 @dataclass
@@ -74,7 +75,9 @@ def _text(rng, n: int) -> str:
 
 
 def agentic_dataset(sessions: int, turns: int, shared_prefix_len: int, task_len: int, turn_len: int,
-                    output_len: int, seed: int) -> list[list[Req]]:
+                    output_len: int, seed: int, branches: int = 1) -> list[list[Req]]:
+    """`branches` > 1: every turn after the first is sent as that many parallel requests that differ only in
+    their last user message (an agent exploring tool calls at once); the conversation continues from branch 0."""
     rng = random.Random(seed)
     system = "You are an agent. Tools and rules: " + _text(random.Random(seed ^ 0x5EED), shared_prefix_len)
     out = []
@@ -82,8 +85,10 @@ def agentic_dataset(sessions: int, turns: int, shared_prefix_len: int, task_len:
         task = f"Task {s}: " + _text(rng, task_len)
         reqs = []
         for t in range(turns):
-            user = task if t == 0 else f"Step {t}: " + _text(rng, turn_len)
-            reqs.append(Req(s, t, messages=[{"role": "system", "content": system}], user=user, max_tokens=output_len))
+            for b in range(1 if t == 0 else max(1, branches)):
+                user = task if t == 0 else f"Step {t}.{b}: " + _text(rng, turn_len)
+                reqs.append(Req(s, t, messages=[{"role": "system", "content": system}], user=user,
+                                max_tokens=output_len, branch=b))
         out.append(reqs)
     return out
 
@@ -203,17 +208,28 @@ async def run_load(base_url: str, model: str, sessions: list[list[Req]], *, conc
     results: list[Result] = []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async def one(req: Req, history: list[dict]) -> Result:
+            if req.messages is not None:
+                req.messages = [*req.messages[:1], *history, {"role": "user", "content": req.user}]
+            async with sem:
+                res = await _one(client, base_url, model, req, headers, timeout, extra_body)
+            results.append(res)
+            bar.step()
+            return res
+
         async def session(reqs: list[Req]) -> None:
             history: list[dict] = []
-            for req in reqs:
-                if req.messages is not None:
-                    req.messages = [*req.messages[:1], *history, {"role": "user", "content": req.user}]
-                async with sem:
-                    res = await _one(client, base_url, model, req, headers, timeout, extra_body)
-                results.append(res)
-                bar.step()
-                if req.messages is not None:
-                    history += [{"role": "user", "content": req.user}, {"role": "assistant", "content": res.text}]
+            i = 0
+            while i < len(reqs):  # the requests of one turn (its branches) run at once
+                j = i + 1
+                while j < len(reqs) and reqs[j].turn == reqs[i].turn and reqs[j].session == reqs[i].session:
+                    j += 1
+                turn = reqs[i:j]
+                outs = await asyncio.gather(*(one(r, history) for r in turn))
+                main = turn[0]
+                if main.messages is not None:
+                    history += [{"role": "user", "content": main.user}, {"role": "assistant", "content": outs[0].text}]
+                i = j
 
         t0 = time.perf_counter()
         tasks = []
@@ -240,6 +256,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-len", type=int, default=60, help="agentic: words of a session's first message")
     p.add_argument("--turn-len", type=int, default=20, help="agentic: words of each later user message")
     p.add_argument("--output-len", type=int, default=16, help="agentic: max_tokens per turn")
+    p.add_argument("--branches", type=int, default=1, help="agentic: parallel requests per later turn")
     p.add_argument("--max-concurrency", default="8", help="N or N1,N2,... (a sweep)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); default: no pacing")
     p.add_argument("--seed", type=int, default=0)
@@ -289,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
                                   args.random_range_ratio, args.seed)
         else:
             data = agentic_dataset(args.sessions, args.turns, args.shared_prefix_len, args.task_len, args.turn_len,
-                                   args.output_len, args.seed)
+                                   args.output_len, args.seed, args.branches)
         print(f"k3serve bench: {args.dataset}, {sum(len(s) for s in data)} requests, concurrency {c}, "
               f"rate {args.request_rate}", flush=True)
         results, wall = asyncio.run(run_load(base, model, data, concurrency=c, request_rate=args.request_rate,

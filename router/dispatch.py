@@ -187,7 +187,7 @@ class Run:
             if job.cache_salt is not None:
                 req.cache_salt = job.cache_salt
             w.inflight += 1
-            w.inflight_tokens += len(job.prompt_ids)
+            w.inflight_tokens += len(job.prompt_ids) - self.predicted.usable
             call = w.stub.Generate(req, timeout=d.prefill_timeout)
             try:
                 last = None
@@ -209,7 +209,7 @@ class Run:
                 raise
             finally:
                 w.inflight -= 1
-                w.inflight_tokens -= len(job.prompt_ids)
+                w.inflight_tokens -= len(job.prompt_ids) - self.predicted.usable
             log.warning("request %s: prefill on %s failed (%s)", job.rid, w.address, reason)
             d.metrics.retry("prefill")
             tried.add(w.address)
@@ -218,7 +218,7 @@ class Run:
         return None
 
     def _launch(self, worker, prompt_ids: list[int], sampling: dict, index_map: dict[int, int],
-                kv_params: dict | None = None) -> _Sub:
+                kv_params: dict | None = None, hit: int = 0) -> _Sub:
         sub = _Sub(next(self._sids), worker, index_map, kv_params=kv_params)
         self._subs[sub.sid] = sub
         req = pb.GenerateRequest(request_id=f"{self.job.rid}-{sub.sid}", prompt_token_ids=prompt_ids,
@@ -227,7 +227,8 @@ class Run:
             req.cache_salt = self.job.cache_salt
         if kv_params is not None:
             req.kv_transfer_params.CopyFrom(kv_transfer_params_to_proto(kv_params))
-        uncached = len(prompt_ids) if kv_params is None else 1
+        # the prefill work this puts on the worker: what it will not find cached (its load until it answers)
+        uncached = max(1, len(prompt_ids) - hit) if kv_params is None else 1
         worker.inflight += 1
         worker.inflight_tokens += uncached
         sub.task = asyncio.ensure_future(self._pump(sub, req, uncached))
@@ -263,7 +264,9 @@ class Run:
         if self.worker is None:
             await self.route()
         params = await self._prefill() if self.prefill_worker is not None else None
-        self._first = self._launch(self.worker, job.prompt_ids, job.sampling, {i: i for i in range(job.n)}, params)
+        hit = self.predicted.usable if self.prefill_worker is None and self.predicted else 0
+        self._first = self._launch(self.worker, job.prompt_ids, job.sampling, {i: i for i in range(job.n)}, params,
+                                   hit=hit)
         self.attempts = {i: 1 for i in range(job.n)}
         while len(self.finished) < job.n:
             sid, item = await self._queue.get()
@@ -374,7 +377,7 @@ class Run:
                 self.d.metrics.error("no_worker")
                 raise P.ProtocolError("No worker is available to continue this request.", status_code=503,
                                       code="no_worker_available")
-            worker, _hit = got
+            worker, new_hit = got
             for c in cs:
                 self.attempts[c] += 1
             self.d.metrics.retry(reason)
@@ -384,7 +387,7 @@ class Run:
                     det = self._detokenizer_for(cs[0])
                     if det is not None:
                         self._detoks[cs[0]] = det
-            new = self._launch(worker, prompt, sampling, index_map)
+            new = self._launch(worker, prompt, sampling, index_map, hit=new_hit.usable)
             if sub is self._first and not done:
                 self._first = new
 

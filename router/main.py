@@ -75,7 +75,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-attempts", type=int, default=3, help="workers a sequence may try")
     p.add_argument("--prefill-weight", type=float, default=1.0, help="cost per uncached prompt token")
     p.add_argument("--load-weight", type=float, default=1.0, help="cost per token of load")
-    p.add_argument("--request-tokens", type=int, default=256,
+    p.add_argument("--request-tokens", type=int, default=32,
                    help="load of one running request, in prefill-token equivalents")
     p.add_argument("--pd-threshold", type=int, default=64,
                    help="P/D: skip the prefill hop when the decode worker would compute at most this many tokens")

@@ -5,8 +5,8 @@
 
 * `hybrid-prefix` (default): cost = prefill_weight · (prompt − usable hit) + load_weight · load, where the
   usable hit is min(MLA hit, deepest KDA snapshot at or below it) (router/prefix_index.py) and load is
-  the uncached prompt tokens the router already has in flight on the worker plus `request_tokens` per
-  running or waiting request. Lowest cost wins; ties go to the lower load, then round-robin.
+  the prefill work the router already queued there (the uncached prompt tokens of its requests that have
+  not produced a first token yet) plus `request_tokens` per running or waiting request. Lowest cost wins; ties go to the lower load, then round-robin.
 * `prefix`: the same cost with the attention-only (MLA) hit — what today's routers score; the baseline
   that over-predicts reuse on a hybrid model.
 * `least-loaded`: the lowest load; `round-robin`; `random`.
@@ -27,7 +27,7 @@ POLICIES = ("hybrid-prefix", "prefix", "least-loaded", "round-robin", "random")
 class Weights:
     prefill_weight: float = 1.0  # per uncached prompt token
     load_weight: float = 1.0  # per token of load
-    request_tokens: int = 256  # load of one running/waiting request, in prefill-token equivalents
+    request_tokens: int = 32  # load of one running/waiting request, in prefill-token equivalents
 
 
 @dataclass
