@@ -59,3 +59,17 @@ def errors(cr: dict) -> list[str]:
 
     validator = jsonschema.Draft7Validator(strict_schema(crd.openapi_schema()))
     return sorted(_message(e) for e in validator.iter_errors(cr))
+
+
+def pd_geometry_problems(spec: dict) -> list[str]:
+    """P/D pool geometry the NIXL connector cannot map (k3serve/common/pd_geometry.py, the same function
+    the workers run at transfer time): [] in colocated mode or when every decode rank can be fed."""
+    from k3serve.common.pd_geometry import pd_geometry_problem
+
+    if int((spec.get("prefill") or {}).get("replicas", 0)) == 0:
+        return []
+    block = (spec.get("cache") or {}).get("blockSize")  # one block size for both pools: ratio 1
+    problem = pd_geometry_problem(
+        int(spec["prefill"]["tensorParallelSize"]), int(spec["decode"]["tensorParallelSize"]),
+        int(spec["model"]["architecture"]["kdaHeads"]), block, block)
+    return [f"spec.prefill/spec.decode: {problem}"] if problem else []

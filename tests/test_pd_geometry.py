@@ -111,3 +111,17 @@ def test_different_dtypes_are_refused():
     a, b = _side(1, 4, 2, 3, 2, 4), _side(1, 4, 2, 3, 4, 4)
     with pytest.raises(PDGeometryError, match="conv_item differs"):
         plan_pd_mapping(a, b, 0)
+
+
+def test_operator_pd_geometry_check_uses_the_same_mapping():
+    from k3serve.operator.validation import pd_geometry_problems
+
+    def spec(p, d, replicas=1, heads=96):
+        return {"prefill": {"replicas": replicas, "tensorParallelSize": p}, "decode": {"tensorParallelSize": d},
+                "model": {"architecture": {"kdaHeads": heads}}, "cache": {}}
+
+    assert pd_geometry_problems(spec(8, 16)) == [] and pd_geometry_problems(spec(4, 6, replicas=0)) == []
+    (msg,) = pd_geometry_problems(spec(4, 6))
+    assert "do not divide one another" in msg
+    (msg,) = pd_geometry_problems(spec(7, 7))
+    assert "does not divide the 96 KDA heads" in msg
