@@ -162,8 +162,8 @@ class Registry:
     async def _events_loop(self, w: Worker) -> None:
         backoff = 0.05
         while True:
+            call = w.stub.SubscribeKvEvents(pb.KvEventsRequest())
             try:
-                call = w.stub.SubscribeKvEvents(pb.KvEventsRequest())
                 async for msg in call:
                     self.index.apply(w.slot, msg)
                     backoff = 0.05
@@ -173,9 +173,11 @@ class Registry:
             except grpc.aio.AioRpcError as e:
                 reason = f"{e.code().name}: {e.details()}"
             except asyncio.CancelledError:
+                call.cancel()
                 raise
             except Exception as e:  # a malformed message: resync rather than die
                 reason = f"{type(e).__name__}: {e}"
+            call.cancel()
             self.index.reset(w.slot)
             w.resubscribes += 1
             log.info("KV events of %s: %s; re-subscribing", w.address, reason)
