@@ -5,8 +5,8 @@ colocated engine.
 
 Processes (started once for the module, in parallel): P1 prefill (block 16) and D1 decode (block 32 = 2 x
 prefill, its free pages poisoned with 0xFF = NaN before use) on model A, both with prefix caching (dense
-retention); P2, a second prefill worker on model A that the fault test kills; D2, a decode worker on
-model B (another seed and config) for the compatibility check.
+retention); P2, a second prefill worker on model A that the fault test kills; D2 decode and P3 prefill on
+model B (another seed and random config): a second pair, and D2 is the foreign peer of the compatibility check.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def workers(models):
         "D1": (a, "decode", "--block-size", "32", "--kv-transfer-timeout", "5", *cache),
         "P2": (a, "prefill", "--block-size", "16"),
         "D2": (b, "decode", "--block-size", "32"),
+        "P3": (b, "prefill", "--block-size", "16"),
     }
     procs = {k: _start(*v, env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"} if k == "D1" else None)
              for k, v in specs.items()}
@@ -173,6 +174,15 @@ def test_pd_greedy_equals_reference_and_colocated(workers, models):
             break
         time.sleep(0.2)
     assert load.free_pages == load.total_pages
+
+
+def test_second_random_config(workers, models):
+    rng = random.Random(8)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 15, 40, rng.randint(50, 100))]
+    want = reference_outputs(models[1], prompts, 5)
+    for i, prompt in enumerate(prompts):
+        toks, res = pd(workers["P3"], workers["D2"], f"b{i}", prompt, 5)
+        assert toks == want[i] and res["outcome"] == "pulled", res
 
 
 def test_decode_pulls_only_what_its_prefix_cache_lacks(workers, models):

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_EXPIRY_S = 120.0
 DEFAULT_TIMEOUT_S = 10.0
+MAX_OUTCOMES = 10_000
 POISON_ENV = "K3SERVE_KV_POISON_FREE_PAGES"  # tests: fill every free page with 0xFF at start
 
 
@@ -104,7 +105,10 @@ class TransferLedger:
     def record(self, request_id: str, out: Outcome, *, seconds: float | None = None,
                bytes_by_view: dict | None = None) -> None:
         with self._lock:
+            self.outcomes.pop(request_id, None)
             self.outcomes[request_id] = out
+            while len(self.outcomes) > MAX_OUTCOMES:  # outcomes nobody collected (aborted calls)
+                self.outcomes.pop(next(iter(self.outcomes)))
             self._count(f"outcome_{out.outcome}")
             if out.outcome == "recomputed":
                 self._count(f"fallback_{out.reason}")
