@@ -32,7 +32,7 @@ import atexit
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -129,7 +129,11 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         self.counters: dict[str, float] = dict(lookups=0, lookup_hits=0, lookups_skipped=0, probed_keys=0,
                                                puts_mla=0, puts_kda=0, saves_dropped=0)
         self.worker_counters: dict[str, float] = {}  # the worker half's (same process), for stats()
-        service.on_attach.append(self._saved.clear)  # a restarted master holds nothing
+        # a restarted master holds nothing: forget what was put (read and cleared on the engine thread)
+        self._forget_saved = threading.Event()
+        service.on_attach.append(self._forget_saved.set)
+        service.on_down.append(self._forget_saved.set)
+        self.failed_puts: deque[str] = deque()  # keys the save lane could not put (thread-safe appends)
 
     # -- hashing --------------------------------------------------------------------------------
     def _hashes(self, token_ids, salt, have: list[bytes]) -> list[bytes]:
@@ -223,6 +227,11 @@ class StoreConnectorScheduler(KVConnectorScheduler):
     def build_connector_meta(self, step: int) -> KVConnectorMetadata:
         meta = StoreMeta(step=step, loads=self._loads)
         self._loads = []
+        if self._forget_saved.is_set():
+            self._forget_saved.clear()
+            self._saved.clear()
+        while self.failed_puts:  # a failed put may be tried again by a later request
+            self._saved.pop(self.failed_puts.popleft(), None)
         saves: list[tuple[str, int, str, int]] = []
         for rid, items in self._stored.items():
             salt = self._salts.get(rid)
@@ -276,6 +285,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         for s in (self.load_slots, self.save_slots):
             service.client.register(s.buf.data_ptr(), s.buf.numel())
         self._failed: set[str] = set()
+        self.failed_puts: deque[str] = deque()  # drained by the scheduler half (same process)
         self.counters: dict[str, float] = dict(bytes_got=0, bytes_put=0, loads=0, loads_failed=0, hit_tokens=0,
                                                mla_hit_tokens=0, kda_hit_tokens=0, saves_dropped_staging=0,
                                                put_failures=0)
@@ -362,6 +372,10 @@ class StoreConnectorWorker(KVConnectorWorker):
                 ok = sum(1 for c in codes if c == 0)
                 self.counters["bytes_put"] += ok * size
                 self.counters["put_failures"] += len(codes) - ok
+                self.failed_puts.extend(k for k, c in zip(keys, codes) if c != 0)
+            except Exception:
+                self.failed_puts.extend(keys)
+                raise
             finally:
                 self.save_slots.free(slots)
 
@@ -412,6 +426,7 @@ def make_store_connector(ctx: ConnectorContext) -> KVConnector:
     sched = StoreConnectorScheduler(ctx, service, space)
     worker = StoreConnectorWorker(ctx, service, int(opts["staging_bytes"]))
     sched.worker_counters = worker.counters
+    sched.failed_puts = worker.failed_puts
     service.start()
     atexit.register(service.close)  # close the native client before interpreter teardown
     return KVConnector(sched, worker)
