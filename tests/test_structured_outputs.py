@@ -298,8 +298,11 @@ def test_chunked_prefill_and_preemption_keep_constrained_outputs(llm, tiny_model
     assert sum(o.finish_reason == "stop" for o in outs) >= 8
 
 
-def test_marker_guard_blocks_spelled_markers(llm):
+def test_marker_guard_blocks_spelled_markers(llm, monkeypatch):
+    from k3serve.workers.structured import matcher
     from k3serve.workers.structured.matcher import GrammarState, fill_bitmasks
+
+    monkeypatch.setattr(matcher, "BATCH_FILL_MIN_ROWS", 2)  # two rows take XGrammar's batched fill
 
     tok, cache = llm.tokenizer, llm.engine.structured.cache
     so = StructuredOutputsParams(json={"type": "string"}, k3_chat=True)

@@ -64,8 +64,9 @@ def fill_bitmasks(states: list[GrammarState], vocab_size: int):
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
-    if len(states) == 1:
-        states[0].fill(bitmask, 0)
+    if len(states) < BATCH_FILL_MIN_ROWS:
+        for j, s in enumerate(states):
+            s.fill(bitmask, j)
     else:
         _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
         for j, s in enumerate(states):
@@ -73,13 +74,18 @@ def fill_bitmasks(states: list[GrammarState], vocab_size: int):
     return bitmask
 
 
+# One fill is ~5-20 us, while XGrammar's threaded batch fill costs ~4 ms of thread start-up per call with
+# 16 threads on the H200 host (benchmarks/structured_overhead.py): fill row by row below this many rows.
+BATCH_FILL_MIN_ROWS = 256
 _BATCH = None
 
 
 def _batch_matcher():
     global _BATCH
     if _BATCH is None:
+        import os
+
         import xgrammar as xgr
 
-        _BATCH = xgr.BatchGrammarMatcher(max_threads="auto")
+        _BATCH = xgr.BatchGrammarMatcher(max_threads=min(4, os.cpu_count() or 1))
     return _BATCH
