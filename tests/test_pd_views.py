@@ -127,3 +127,17 @@ def test_pull_moves_exactly_the_mapped_bytes_and_zero_fills_the_rest(agents, see
     da.release_dlist(rh)
     pa.close()  # deregisters and forgets peers; the agents serve the next case
     da.close()
+
+
+def test_benchmark_runs_and_prints_its_table():
+    """benchmarks/pd_transfer.py at its smallest settings (the numbers themselves are not asserted)."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "pd_transfer.py")
+    proc = subprocess.run([sys.executable, script, "--tokens", "256", "--reps", "1", "--configs", "tiny"],
+                          env=dict(os.environ, PYTHONSAFEPATH="1"), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("tiny")]
+    assert [r[2] for r in rows] == ["scattered", "contiguous"] and all(float(r[8]) > 0 for r in rows)
