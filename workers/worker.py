@@ -33,6 +33,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", type=int, default=1, help="attention DP ranks (1 today)")
     parser.add_argument("--expert-parallel", action="store_true", help="shard experts over the ranks")
     add_engine_args(parser)
+    from k3serve.workers.kv_events_zmq import add_zmq_args
+
+    add_zmq_args(parser)  # --kv-events-zmq: KV events in vLLM's format too (workers/kv_events_zmq.py)
 
 
 def unsupported_layout(args: argparse.Namespace) -> str | None:
@@ -131,6 +134,12 @@ async def _serve(args: argparse.Namespace, msock) -> int:
         engine.shutdown()
         http_task.result()
         return 1
+    zmq_pub = None
+    if args.kv_events_zmq:
+        from k3serve.workers.kv_events_zmq import start_zmq_publisher
+
+        zmq_pub = start_zmq_publisher(engine, args.kv_events_zmq, replay_endpoint=args.kv_events_zmq_replay,
+                                      topic=args.kv_events_zmq_topic)
     mhost, mport = msock.getsockname()[:2]
     print(f"k3serve worker: ready grpc={args.host}:{grpc_server.port} metrics=http://{mhost}:{mport} "
           f"role={args.role} model={served.model_names[0]}", flush=True)
@@ -138,6 +147,8 @@ async def _serve(args: argparse.Namespace, msock) -> int:
         await asyncio.wait({asyncio.ensure_future(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         http.should_exit = True
+        if zmq_pub is not None:
+            zmq_pub.stop()
         await grpc_server.stop(2.0)
         await asyncio.wait({http_task}, timeout=5)
         engine.shutdown()
