@@ -209,6 +209,18 @@ def test_expired_pages_cost_a_recompute(workers, models):
     assert toks == reference_outputs(models[0], [prompt], 4)[0]
 
 
+def test_parameters_of_another_prompt_are_never_pulled(workers, models):
+    """A router that pairs the prefill answer with a different prompt (or salt) gets a recompute, not
+    someone else's state."""
+    prompt = [t % VOCAB for t in range(13, 61)]
+    other = list(prompt)
+    other[20] = (other[20] + 1) % VOCAB
+    kvp = prefill_hop(workers["P1"], "mix-p", prompt, 4)
+    toks, res = decode_hop(workers["D1"], "mix", other, 4, kvp)
+    assert (res["outcome"], res["reason"]) == ("recomputed", "prompt_mismatch")
+    assert toks == reference_outputs(models[0], [other], 4)[0]
+
+
 def test_prefill_killed_between_prefill_and_pull_recomputes(workers, models):
     p2, d1 = workers["P2"], workers["D1"]
     prompts = [[t % VOCAB for t in range(7, 47)], [t % VOCAB for t in range(9, 70)], [t % VOCAB for t in range(2, 30)]]

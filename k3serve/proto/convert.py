@@ -157,7 +157,7 @@ def kv_batch_to_proto(sequence: int, snapshot: bool, events: list, instance_id: 
 
 _KVT_SCALARS = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_request_id", "remote_host",
                 "remote_port", "remote_num_tokens", "remote_blocks_expiry_time", "tp_size", "block_size",
-                "compatibility_hash")
+                "compatibility_hash", "remote_prompt_hash")
 
 
 def kv_transfer_params_to_proto(d: dict) -> pb.KvTransferParams:
@@ -179,6 +179,7 @@ def kv_transfer_params_to_proto(d: dict) -> pb.KvTransferParams:
 def kv_transfer_params_from_proto(msg: pb.KvTransferParams) -> dict:
     d = {name: getattr(msg, name) for name in _KVT_SCALARS}
     d["compatibility_hash"] = bytes(d["compatibility_hash"])
+    d["remote_prompt_hash"] = bytes(d["remote_prompt_hash"])
     d["remote_block_ids"] = [dict(group_id=g.group_id, kind=g.kind, block_ids=list(g.block_ids))
                              for g in msg.remote_block_ids]
     return d

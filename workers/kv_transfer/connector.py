@@ -75,6 +75,17 @@ def _fingerprint(ctx: ConnectorContext) -> bytes:
     raise ValueError("the NIXL connector needs the model fingerprint (the model directory)")
 
 
+def prompt_hash(token_ids, cache_salt: str | None) -> bytes:
+    """What the prefill side computed: the salt and the exact token ids (KvTransferParams.remote_prompt_hash)."""
+    import hashlib
+    import struct
+
+    salt = (cache_salt or "").encode()
+    h = hashlib.sha256(b"k3serve/pd-prompt/v1\0" + struct.pack("<I", len(salt)) + salt)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return h.digest()
+
+
 # -- the ledger: per-request outcomes + metrics -------------------------------------------------
 
 @dataclass
@@ -177,6 +188,10 @@ class NixlScheduler(KVConnectorScheduler):
         aligned = num_computed_tokens
         if n == 0:
             return self._refuse(request, "nothing_to_pull", aligned)
+        # the pages must be this prompt's: a router that mixed requests up must not leak another's state
+        if n > len(request.prompt_token_ids) - 1 or bytes(p.get("remote_prompt_hash", b"")) != prompt_hash(
+                request.prompt_token_ids[:n], request.cache_salt):
+            return self._refuse(request, "prompt_mismatch", aligned)
         if n <= aligned:
             self.ledger.record(request.request_id, Outcome("cached", "", 0, aligned))
             return NO_MATCH
@@ -213,7 +228,8 @@ class NixlScheduler(KVConnectorScheduler):
             if g.kind == "mla":
                 ids = ids[: math.ceil(n / L.block_size)]
             groups.append(dict(group_id=g.group_id, kind=g.kind, block_ids=ids))
-        params = dict(remote_engine_id=self.ctx.engine_id, remote_request_id=request.request_id,
+        params = dict(remote_prompt_hash=prompt_hash(request.prompt_token_ids[:n], request.cache_salt),
+                      remote_engine_id=self.ctx.engine_id, remote_request_id=request.request_id,
                       remote_block_ids=groups, remote_num_tokens=n,
                       remote_blocks_expiry_time=time.time() + self.expiry_s, tp_size=self.tp_size,
                       block_size=L.block_size, compatibility_hash=self.hash)

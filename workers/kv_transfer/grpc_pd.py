@@ -115,6 +115,7 @@ def empty_transfer_params(nixl, request_id: str, host: str, port: int) -> dict:
     import time
 
     return dict(remote_engine_id=nixl.ctx.engine_id, remote_request_id=request_id, remote_block_ids=[],
+                remote_prompt_hash=b"",
                 remote_num_tokens=0, remote_blocks_expiry_time=time.time() + nixl.expiry_s,
                 tp_size=nixl.tp_size, block_size=nixl.ctx.layout.block_size, compatibility_hash=nixl.hash,
                 remote_host=host, remote_port=int(port))
