@@ -106,6 +106,8 @@ def main() -> int:
     ap.add_argument("--worker-arg", action="append", default=[],
                     help="extra worker flag (repeatable), e.g. --worker-arg=--prefix-cache-selective-retention")
     ap.add_argument("--vllm-router", action="store_true")
+    ap.add_argument("--vllm-router-bin", default=os.environ.get("VLLM_ROUTER_BIN"))
+    ap.add_argument("--kv-event-block-size", type=int, default=240, help="the engines' block size (tiny: 240)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args()
     from k3serve.workers.model.paths import ensure_tiny_model
@@ -166,12 +168,14 @@ def main() -> int:
 
 
 def _vllm_router(a, model, tmp) -> dict:
-    exe = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
+    exe = a.vllm_router_bin or shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable),
+                                                                           "vllm-router")
     if not os.path.exists(exe):
-        print("vllm-router: not installed (pip install vllm-router==0.1.17); peer comparison skipped")
+        print("vllm-router: not installed (pip install vllm-router==0.1.17, e.g. into its own venv, and pass "
+              "--vllm-router-bin); peer comparison skipped")
         return {}
     out = {}
-    servers, urls, murls = [], [], []
+    servers, urls, murls, zmqs = [], [], [], []
     import socket
 
     def free():
@@ -188,9 +192,16 @@ def _vllm_router(a, model, tmp) -> dict:
             servers.append(p)
             urls.append(m.group(1))
             murls.append(m.group(1))
-        for policy in ("round_robin", "cache_aware"):
-            port = free()
-            cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *urls]
+            zmqs.append(zmq_ep)
+        block = a.kv_event_block_size
+        for policy in ("round_robin", "cache_aware", "kv_aware"):
+            port, prom = free(), free()
+            cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *urls,
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+            if policy == "kv_aware":
+                for u, z in zip(urls, zmqs):
+                    cmd += ["--kv-event-source", f"{u}={z}"]
+                cmd += ["--kv-event-block-size", str(block)]
             log = f"{tmp}/vllm-router-{policy}.log"
             try:
                 r, _ = _start(cmd, log, r"(?i)(listening|started|running|serving)", timeout=60)
@@ -210,6 +221,14 @@ def _vllm_router(a, model, tmp) -> dict:
             s = _load(url, "m", a, salt=f"vllm-router-{policy}-{time.time()}")
             s["prefill_tokens_computed"] = _prefill_computed(murls) - pre0
             s["router_cpu_ms_per_request"] = (_cpu_seconds(r.pid) - cpu0) * 1000 / max(1, s["completed"])
+            try:  # its own metrics: did kv_aware consume our events?
+                text = httpx.get(f"http://127.0.0.1:{prom}/metrics", timeout=5).text
+                s["vllm_router_kv_metrics"] = [ln for ln in text.splitlines()
+                                               if ("kv" in ln.lower() or "cache" in ln.lower()) and not ln.startswith("#")][:20]
+            except httpx.HTTPError as e:
+                s["vllm_router_kv_metrics"] = [f"metrics unavailable: {e}"]
+            for ln in s["vllm_router_kv_metrics"][:8]:
+                print(f"    vllm-router metric: {ln}")
             _stop(r)
             out[f"vllm-router {policy}"] = s
             print(f"  vllm-router {policy:11s} TTFT p50 {s['ttft_ms']['p50']:8.1f} ms  p90 "

@@ -235,6 +235,34 @@ def test_client_disconnect_aborts_on_worker(platform):
     _wait(lambda: all(w["load"].get("running", 0) == 0 for w in _workers(url)), 10, "the worker to abort it")
 
 
+def test_api_key_router_on_the_same_workers(platform, tmp_path):
+    key = tmp_path / "api-key"
+    key.write_text("s3cret-key\n")
+    addrs = ",".join(w["grpc"] for w in platform["state"]["workers"])
+    proc = subprocess.Popen([sys.executable, "-m", "k3serve.cli", "router", "--model", str(platform["model_dir"]),
+                             "--workers", addrs, "--port", "0", "--metrics-port", "0", "--api-key-file", str(key),
+                             "--served-model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, PYTHONSAFEPATH="1"))
+    try:
+        line = ""
+        for line in proc.stdout:
+            if "listening on" in line:
+                break
+        url = re.search(r"listening on (http://\S+)", line).group(1)
+        _wait(lambda: httpx.get(url + "/health", timeout=5).json()["workers"]["both"] == 2, 30, "workers")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "s3cret" not in r.text
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="s3cret-key", max_retries=0)
+        assert ok.completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
+        assert httpx.get(url + "/health", timeout=5).status_code == 200  # probes need no key
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0  # SIGTERM drains and exits cleanly
+
+
 def test_bench_random_and_agentic_json(platform, tmp_path):
     out = tmp_path / "bench.json"
     for extra in (["--dataset", "random", "--num-prompts", "4", "--random-input-len", "40", "--random-output-len", "3",
