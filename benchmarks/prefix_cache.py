@@ -22,6 +22,11 @@ KV-centric analogue at unit granularity: a snapshot at every block boundary, plu
 interval-N, prompt-end, and prompt-end + Marconi junctions, each with LRU and compute-per-byte
 eviction. The script prints what each row means under the table.
 
+A second table runs `--tier-configs` with the host-memory offload tier off and on, both with the
+device pool at `--tier-budget-frac` (default 25 %) of the working set and the host tier at
+`--tier-host-frac` of it: hit % (device + tier), prefill tokens computed and their ratio to the tier
+off, pages stored to the host, host evictions, bytes loaded, wall time, and tokens==off.
+
 Columns: token hit rate (prompt tokens served from the cache / prompt tokens, at first admission),
 its ratio to the `dense/lru` row, prefill tokens computed (recomputation after preemption included)
 and their ratio to caching off, peak KDA snapshot memory (cached "kda" blocks x page_bytes x
@@ -109,9 +114,9 @@ def running_reserve_blocks(concurrency: int, kda_groups: int) -> int:
     return concurrency * (2 * kda_groups + 1)
 
 
-def kda_snapshot_blocks(pool) -> int:
-    """Blocks of the pool that hold a cached KDA snapshot (each carries exactly one key)."""
-    return len({b.block_id for b in pool.cached.values() if b.kind == "kda"})
+def kda_snapshot_blocks(eng) -> int:
+    """Blocks of the device pool that hold a cached KDA snapshot (each carries exactly one key)."""
+    return eng.kv_manager.num_cached_kda_blocks()
 
 
 def run_trace(llm: LLM, trace: AgenticTrace) -> RunResult:
@@ -140,7 +145,7 @@ def run_trace(llm: LLM, trace: AgenticTrace) -> RunResult:
             for out in outs:
                 if out.finished and out.request_id in pending:
                     outputs[pending.pop(out.request_id)][t] = list(out.outputs[0].token_ids)
-            peak = max(peak, kda_snapshot_blocks(eng.pool) * block_bytes)
+            peak = max(peak, kda_snapshot_blocks(eng) * block_bytes)
     stats = eng.stats()
     stats["evicted"] = eng.pool.num_evicted
     return RunResult(stats, outputs, peak, busy)
@@ -171,6 +176,32 @@ def table_rows(configs: list[CacheConfig], results: dict[str, RunResult]) -> lis
     return rows
 
 
+TIER_HEADERS = ["tier config", "host tier", "hit% (device+tier)", "device hit%", "tier hit tokens",
+                "prefill computed", "computed/tier-off", "stored pages", "host evictions", "loaded MiB", "wall s",
+                "wall/tier-off", "tokens==off"]
+
+
+def tier_rows(labels: list[str], results: dict[str, RunResult], off: RunResult) -> list[list]:
+    """Per config: the tier off and on at the same (small) device budget."""
+    rows = []
+    for label in labels:
+        base = results[(label, False)]
+        for on in (False, True):
+            r = results[(label, on)]
+            st = r.stats
+            q = st["prefix_cache_queries"] or 1
+            tier = st.get("kv_offload_hit_tokens", 0)
+            rows.append([
+                label, "on" if on else "off", 100.0 * (st["prefix_cache_hits"] + tier) / q,
+                100.0 * st["prefix_cache_hits"] / q, tier, st["prefill_tokens_computed"],
+                _ratio(st["prefill_tokens_computed"], base.stats["prefill_tokens_computed"]),
+                st.get("kv_offload_stored_blocks", 0), st.get("kv_offload_evictions", 0),
+                st.get("kv_offload_loaded_bytes", 0) / 2**20, r.wall_s, _ratio(r.wall_s, base.wall_s),
+                r.outputs == off.outputs,
+            ])
+    return rows
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -188,6 +219,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0, help="trace seed")
+    ap.add_argument("--tier-budget-frac", type=float, default=0.25,
+                    help="device KV budget of the host-tier rows, as a fraction of the working set (default 0.25)")
+    ap.add_argument("--tier-host-frac", type=float, default=2.0,
+                    help="host tier size (--kv-offload-memory) as a fraction of the working set (default 2.0)")
+    ap.add_argument("--tier-configs", nargs="*", default=None,
+                    help="rows run with the host tier off and on (default prompt-end/lru dense/lru; --quick "
+                         "prompt-end/lru); none: skip the tier table")
     ap.add_argument("--model", default=None, help="model directory (default: the tiny preset, generated once)")
     args = ap.parse_args(argv)
     small = dict(sessions=4, turns=3, shared_len=256, new_min=16, new_max=32, output_tokens=2)
@@ -195,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in (small if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.tier_configs is None:
+        args.tier_configs = ["prompt-end/lru"] if args.quick else ["prompt-end/lru", "dense/lru"]
     return args
 
 
@@ -249,6 +289,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {c.label}: {c.meaning}")
     print(f"ratios: hit/dense vs the {DENSE_LABEL} row; computed/off and wall/off vs the off row")
     bad = [c.label for c in configs if results[c.label].outputs != results["off"].outputs]
+    if args.tier_configs:
+        by_label = {c.label: c for c in configs}
+        tier_blocks = max(math.ceil(args.tier_budget_frac * working_set) + reserve, min_blocks)
+        tier_kv = (tier_blocks + 1) * block_bytes
+        host_bytes = max(1, math.ceil(args.tier_host_frac * working_set)) * block_bytes
+        tier_results: dict[tuple[str, bool], RunResult] = {}
+        for label in args.tier_configs:
+            for on in (False, True):
+                extra = dict(kv_offload_memory=host_bytes) if on else {}
+                llm = LLM(args.model, kv_cache_memory=tier_kv, **common, **by_label[label].kwargs, **extra)
+                tier_results[(label, on)] = run_trace(llm, trace)
+                del llm
+        print()
+        print(f"host-memory offload tier (--kv-offload-memory {host_bytes} B = {args.tier_host_frac:g} x the working "
+              f"set): device budget {tier_kv} B = {tier_blocks} usable blocks = {args.tier_budget_frac:g} x the "
+              f"working set + the running reserve; the tier off and on, same run")
+        print_table(TIER_HEADERS, tier_rows(args.tier_configs, tier_results, results["off"]))
+        print("hit% (device+tier): prompt tokens from the device cache at first admission + tokens loaded from the "
+              "host tier (every admission) / prompt tokens; computed/tier-off and wall/tier-off vs the same config "
+              "with the tier off")
+        bad += [f"{lab} (tier {'on' if on else 'off'})" for (lab, on), r in tier_results.items()
+                if r.outputs != results["off"].outputs]
     if bad:
         print(f"ERROR: greedy outputs differ from caching off for: {', '.join(bad)}", file=sys.stderr)
         return 1
