@@ -205,6 +205,9 @@ class SamplingParams:
             if self.ignore_eos and self.structured_outputs.constrains:
                 bad("ignore_eos", "cannot be combined with structured outputs (a constrained output ends "
                     "with the end of turn)")
+            if self.min_tokens and self.structured_outputs.constrains:
+                bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where "
+                    "the output ends)")
 
     @property
     def greedy(self) -> bool:

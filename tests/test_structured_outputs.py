@@ -216,6 +216,8 @@ def test_bad_schemas_raise_with_xgrammar_message(llm):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
     with pytest.raises(SamplingParamsError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_outputs={"regex": "a"})
+    with pytest.raises(SamplingParamsError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a"})
 
 
 def test_compile_cache_and_matcher_rollback(llm):
@@ -344,3 +346,30 @@ def test_failed_compile_raises_once_and_aborted_held_requests_are_dropped(llm):
     eng.abort_request(["fails", "aborted"])
     eng.step()
     assert not eng.has_unfinished_requests() and len(eng.structured) == 0
+
+
+def test_sampler_masks_and_the_grammar_wins_a_dead_row(llm):
+    import torch
+
+    from k3serve.workers.sample.constraints import apply_grammar_masks
+    from k3serve.workers.sampler import Sampler, SamplingState
+    from k3serve.workers.structured.matcher import GrammarState
+
+    tok, cache = llm.tokenizer, llm.engine.structured.cache
+    compiled = cache.compile_now(StructuredOutputsParams(choice=["ab", "ba"]))
+    v = cache.vocab_size
+    raw = torch.randn(3, v, dtype=torch.float64)
+    states = [SamplingState.new(SamplingParams(temperature=0.0), [1]) for _ in range(3)]
+    states[0].structured, states[2].structured = GrammarState(compiled), GrammarState(compiled)
+    x = raw.clone()
+    x[2] = float("-inf")  # as if the other adjustments had removed every token of row 2
+    apply_grammar_masks(x, raw, states, [0, 2])
+    allowed = {tok.encode("a")[0], tok.encode("b")[0]} | {t for t in range(v) if tok.token_bytes(t) in (b"ab", b"ba")}
+    for row in (0, 2):
+        finite = set(torch.isfinite(x[row]).nonzero().flatten().tolist())
+        assert finite and finite <= allowed
+        assert torch.equal(x[row][list(finite)], raw[row][list(finite)])
+    assert torch.equal(x[1], raw[1])  # the unconstrained row is untouched
+    out = Sampler(seed=0)(raw, states)
+    assert out.token_ids[1] == int(raw[1].argmax()) and out.token_ids[0] in allowed
+    assert states[0].structured.num_accepted == 1 and states[1].structured is None

@@ -2,9 +2,9 @@
 
 A row whose `SamplingState.structured` is an active GrammarState gets its grammar's bitmask applied
 to the logits after logit_bias / min_tokens / penalties (so logprobs, too, are over the allowed
-tokens), and its matcher advanced with the sampled token. If the other adjustments leave a row with
-no allowed token (e.g. min_tokens banning the end of turn the grammar requires), the grammar wins:
-the row becomes the raw logits under the grammar's mask alone.
+tokens), and its matcher advanced with the sampled token. If the other adjustments left a row with
+no allowed token (SamplingParams rejects min_tokens with structured outputs, so this is a safety net),
+the grammar wins: the row becomes the raw logits under the grammar's mask alone.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def apply_grammar_masks(x: torch.Tensor, raw_logits: torch.Tensor, states: list[
 
     bitmask = fill_bitmasks([states[i].structured for i in rows], x.shape[1])
     apply_bitmask(x, bitmask, rows)
-    idx = torch.tensor(rows, device=x.device)
-    dead = ~torch.isfinite(x[idx]).any(dim=-1)
+    masked = x if len(rows) == x.shape[0] else x[torch.tensor(rows, device=x.device)]
+    dead = masked.amax(dim=-1) == float("-inf")
     if bool(dead.any()):
         for j in dead.nonzero().flatten().tolist():
             allowed = unpack(bitmask[j : j + 1].to(x.device), x.shape[1])[0]
