@@ -43,6 +43,7 @@ from ..kda import kda_decay_gate, kda_output_gate, l2_normalize
 from ..moe import dense_mlp, route
 
 CHUNK = 16
+FLA_FAILED: list[str] = []  # set when an FLA call raised; kda_layer then uses kda_chunked
 
 
 # ------------------------------------------------------------------------------------------------- KDA
@@ -87,6 +88,24 @@ def kda_chunked(q, k, v, g, beta, chunk: int = CHUNK) -> torch.Tensor:
     return o.permute(0, 2, 3, 1, 4).reshape(B, N * chunk, h, V)[:, :T]
 
 
+def single_config_autotune() -> None:
+    """Make every Triton autotuner created from now on keep one config (a 4-warp one when there is one):
+    FLA's kernels then compile once per shape instead of benchmarking every config (minutes on a fresh
+    machine for this small model). Call before importing `fla`."""
+    from triton.runtime import autotuner
+
+    if getattr(autotuner.Autotuner, "_k3_single", False):
+        return
+    orig = autotuner.Autotuner.__init__
+
+    def init(self, fn, arg_names, configs, *a, **k):
+        four = [c for c in configs if getattr(c, "num_warps", None) == 4]
+        orig(self, fn, arg_names, (four or list(configs))[:1], *a, **k)
+
+    autotuner.Autotuner.__init__ = init
+    autotuner.Autotuner._k3_single = True
+
+
 def _kda_fla(q, k, v, g, beta) -> torch.Tensor:
     from fla.ops.kda import chunk_kda
 
@@ -113,8 +132,12 @@ def kda_layer(x: torch.Tensor, w: LayerWeights, cfg: K3Config, kda: str = "chunk
     beta = torch.sigmoid(linear(x, w["b_proj.weight"]).to(acc))
     qh = l2_normalize(q.to(acc)) * d**-0.5
     kh = l2_normalize(k.to(acc))
-    if kda == "fla":
-        o = _kda_fla(qh, kh, v, g, beta)
+    if kda == "fla" and not FLA_FAILED:
+        try:
+            o = _kda_fla(qh, kh, v, g, beta)
+        except Exception as e:  # noqa: BLE001 - a shape FLA cannot compile: the portable path, from now on
+            FLA_FAILED.append(f"{type(e).__name__}: {e}"[:300])
+            o = kda_chunked(qh, kh, v.to(acc), g, beta)
     else:
         o = kda_chunked(qh, kh, v.to(acc), g, beta)
     o = o.to(x.dtype)

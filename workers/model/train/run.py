@@ -203,13 +203,17 @@ def update_bias(w: dict, cfg: K3Config, counts: dict, rate: float) -> None:
             b -= rate * torch.sign(load - 1.0 / cfg.num_experts)
 
 
-def pick_kda(requested: str, device: str, log) -> str:
+def pick_kda(requested: str, device: str, log, shape=(2, 128, 2, 64), single_config: bool = True) -> str:
+    """'fla' when FLA's chunk_kda imports, agrees with `kda_chunked` and back-propagates finite gradients
+    at `shape` (B, T, heads, head dim; the compile happens here), else 'chunked'."""
     if requested != "auto":
         return requested
     if not device.startswith("cuda"):
         return "chunked"
     try:
-        B, T, h, d = 2, 100, 2, 64
+        if single_config:
+            F.single_config_autotune()
+        B, T, h, d = shape
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.nn.functional.normalize(torch.randn(B, T, h, d, device=device, generator=g), dim=-1) * d**-0.5
         k = torch.nn.functional.normalize(torch.randn(B, T, h, d, device=device, generator=g), dim=-1)
@@ -270,7 +274,8 @@ def main(argv=None) -> int:  # noqa: C901
     p.add_argument("--stdlib", default=None, help="default: this Python's standard library")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kda", choices=["auto", "fla", "chunked"], default="auto")
-    p.add_argument("--vocab", type=int, default=3584, help="ordinary BPE ranks (the 256 specials come on top)")
+    p.add_argument("--fla-autotune", action="store_true", help="let FLA benchmark all its configs (slow start)")
+    p.add_argument("--vocab", type=int, default=3328, help="ordinary BPE ranks (the 256 specials come on top)")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -342,7 +347,10 @@ def main(argv=None) -> int:  # noqa: C901
     nparams = sum(v.numel() for v in w.values())
     log(f"model: {nparams / 1e6:.2f} M parameters ({cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP)")
     opt = make_optimizer(w, args.lr, args.wd)
-    kda = pick_kda(args.kda, dev, log)
+    t = time.time()
+    kda = pick_kda(args.kda, dev, log, (args.batch, args.seq, cfg.kda_num_heads, cfg.kda_head_dim),
+                   not args.fla_autotune)
+    log(f"kda: {kda} ({time.time() - t:.1f}s)")
     meta = {"phase": "pretrain", "step": 0, "sft_step": 0, "total": None, "history": [], "seconds": 0.0}
     if args.resume:
         meta = load_state(Path(args.resume), w, opt, dev)
@@ -443,7 +451,7 @@ def main(argv=None) -> int:  # noqa: C901
             for gparam in opt.param_groups:
                 gparam["lr"] = args.sft_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / sft_total)))
             picked = [examples[rng.randrange(len(examples))] for _ in range(args.sft_batch)]
-            L = max(len(x) for x, _ in picked)
+            L = args.sft_max_tokens  # one shape for every step (no recompiles)
             ids_t = torch.full((len(picked), L), pad, dtype=torch.long)
             mask_t = torch.zeros((len(picked), L), dtype=torch.float32)
             for r, (x, m) in enumerate(picked):
@@ -510,6 +518,7 @@ def main(argv=None) -> int:  # noqa: C901
     results["chat"] = chat_check(ew, ecfg, tok, eo, dev, args.chat_tokens)
     for c in results["chat"]:
         log(f"eval: chat {json.dumps(c)[:400]}")
+    results["fla_failed"] = F.FLA_FAILED
     results["wall_seconds"] = round(time.time() - t_start, 1)
     (model_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     shutil.copy(out / "train.log", model_dir / "train.log")
