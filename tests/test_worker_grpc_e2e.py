@@ -125,7 +125,8 @@ def test_sigterm_exits_cleanly(worker):
     assert time.monotonic() - t0 < 10
 
 
-def test_unimplemented_role_is_refused(tiny_model_dir):
-    r = subprocess.run(_cmd(tiny_model_dir, "--role", "prefill"), capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONSAFEPATH="1"))
+def test_unimplemented_layout_is_refused(tiny_model_dir):
+    """--role prefill|decode are served (tests/test_pd_workers.py); multi-rank groups are not yet."""
+    r = subprocess.run(_cmd(tiny_model_dir, "--role", "prefill", "--tensor-parallel-size", "2"), capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, PYTHONSAFEPATH="1"))
     assert r.returncode == 2 and "not implemented yet" in r.stdout
