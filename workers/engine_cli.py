@@ -39,14 +39,17 @@ class EngineConfigError(SystemExit):
 # Flags that are not EngineArgs fields, per command (every other engine flag is generated from the
 # fields: workers/engine/api.py says how to add one). tests/test_engine_args_cli.py checks that each
 # flag of `serve` and `worker` is either generated or listed here, so this is the one list of them.
+_ZMQ = {  # KV events in vLLM's ZMQ format: a publisher of the process (workers/kv_events_zmq.py)
+    "--kv-events-zmq": "publish KV events over ZMQ", "--kv-events-zmq-replay": "the ZMQ replay endpoint",
+    "--kv-events-zmq-topic": "the ZMQ topic",
+}
 HAND_WRITTEN: dict[str, dict[str, str]] = {
     "serve": {
         "MODEL_DIR": "the positional checkpoint directory (becomes EngineArgs.model)",
         "--host": "bind address of the HTTP server", "--port": "HTTP port (0 picks a free one)",
         "--api-key-file": "Bearer auth for /v1/* (the server's, not the engine's)",
         "--num-threads": "torch CPU threads of the process", "--log-level": "process logging",
-        "--kv-events-zmq": "publish KV events over ZMQ (workers/kv_events_zmq.py), a server-side publisher",
-        "--kv-events-zmq-replay": "the ZMQ replay endpoint", "--kv-events-zmq-topic": "the ZMQ topic",
+        **_ZMQ,
     },
     "worker": {
         "--model": "checkpoint directory (becomes EngineArgs.model; spelled as the pod contract does)",
@@ -57,6 +60,7 @@ HAND_WRITTEN: dict[str, dict[str, str]] = {
         "--data-parallel-size": "ranks of the process group (pod contract)",
         "--expert-parallel": "expert sharding over the ranks (pod contract)",
         "--num-threads": "torch CPU threads of the process", "--log-level": "process logging",
+        **_ZMQ,
     },
     "generate": {  # builds no EngineArgs from flags: `--engine reference` runs the reference forward
         "--model": "checkpoint directory", "--prompt-ids": "comma-separated token ids",
