@@ -126,8 +126,28 @@ def _cache() -> list[dict]:
                 _target(_rate("k3serve_prefill_tokens_skipped"), "skipped/s"),
             ],
         ),
-        _panel("Mooncake store hits", "short", [_target(_rate("k3serve_kv_store_hits_tokens"), "tokens/s")]),
-        _panel("Mooncake store puts", "ops", [_target(_rate("k3serve_kv_store_puts", "kind"), "{{kind}}")]),
+        _panel(
+            "Mooncake store hits",
+            "short",
+            [
+                _target(_rate("k3serve_kv_store_hits_tokens"), "tokens/s"),
+                _target(_rate("k3serve_kv_store_group_hits_tokens", "group"), "{{group}} tokens/s"),
+                _target(_rate("k3serve_kv_store_lookups", "result"), "lookups {{result}}/s"),
+                _target(f"sum ({_m('k3serve_kv_store_healthy')})", "workers with a healthy store"),
+            ],
+            "Tokens loaded from the store (joint MLA + KDA hits), lookups by result, store health.",
+        ),
+        _panel(
+            "Mooncake store puts",
+            "ops",
+            [
+                _target(_rate("k3serve_kv_store_puts", "kind"), "{{kind}}"),
+                _target(_rate("k3serve_kv_store_bytes", "direction"), "bytes {{direction}}/s"),
+                _target(_rate("k3serve_kv_store_failures", "op, code"), "failed {{op}} {{code}}/s"),
+                _target(_rate("k3serve_kv_store_deadline_misses", "op"), "deadline missed {{op}}/s"),
+            ],
+            "Objects put per kind, bytes moved, failures by operation and code, calls past the deadline.",
+        ),
         _panel(
             "KDA snapshots",
             "ops",
