@@ -209,16 +209,22 @@ def test_expired_pages_cost_a_recompute(workers, models):
     assert toks == reference_outputs(models[0], [prompt], 4)[0]
 
 
-def test_parameters_of_another_prompt_are_never_pulled(workers, models):
-    """A router that pairs the prefill answer with a different prompt (or salt) gets a recompute, not
-    someone else's state."""
+def test_parameters_of_another_prompt_or_used_twice_are_never_pulled(workers, models):
+    """A router that pairs the prefill answer with a different prompt (or salt), or sends it twice, gets a
+    recompute, not someone else's state."""
     prompt = [t % VOCAB for t in range(13, 61)]
     other = list(prompt)
     other[20] = (other[20] + 1) % VOCAB
     kvp = prefill_hop(workers["P1"], "mix-p", prompt, 4)
     toks, res = decode_hop(workers["D1"], "mix", other, 4, kvp)
     assert (res["outcome"], res["reason"]) == ("recomputed", "prompt_mismatch")
-    assert toks == reference_outputs(models[0], [other], 4)[0]
+    want = reference_outputs(models[0], [other, prompt], 4)
+    assert toks == want[0]
+    # parameters are single-use: the first pull released the prefill's pages, a second one must not read them
+    toks, res = decode_hop(workers["D1"], "mix2", prompt, 4, kvp)
+    assert res["outcome"] == "pulled" and toks == want[1]
+    toks, res = decode_hop(workers["D1"], "mix3", prompt, 4, kvp)
+    assert (res["outcome"], res["reason"]) == ("recomputed", "already_pulled") and toks == want[1]
 
 
 def test_prefill_killed_between_prefill_and_pull_recomputes(workers, models):

@@ -162,6 +162,7 @@ class NixlScheduler(KVConnectorScheduler):
         self.timeout_s = float(_opt(ctx, "kv_transfer_timeout", DEFAULT_TIMEOUT_S))
         self.tp_size = int(_opt(ctx, "tensor_parallel_size", 1))
         self._pulls: list[PullJob] = []
+        self._pulled: dict[tuple, None] = {}  # (engine id, request id) of parameters already used (bounded)
         self.worker_half: NixlWorker | None = None  # set by make_nixl_connector (same process)
 
     def check_remote_geometry(self, remote_tp: int, remote_block: int) -> None:
@@ -197,6 +198,9 @@ class NixlScheduler(KVConnectorScheduler):
             return NO_MATCH
         if bytes(p.get("compatibility_hash", b"")) != self.hash:
             return self._refuse(request, "incompatible", aligned)
+        # transfer parameters are single-use: the first pull's notification releases the prefill's pages
+        if (p.get("remote_engine_id"), p.get("remote_request_id")) in self._pulled:
+            return self._refuse(request, "already_pulled", aligned)
         # never start a pull the prefill side may free while it runs
         if time.time() + self.timeout_s >= float(p.get("remote_blocks_expiry_time", 0)):
             return self._refuse(request, "expired", aligned)
@@ -207,7 +211,11 @@ class NixlScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request, spec: LoadSpec) -> None:
         if spec.num_external_tokens > 0:
-            self._pulls.append(PullJob(request.request_id, dict(request.kv_transfer_params), spec))
+            p = request.kv_transfer_params
+            self._pulled[(p.get("remote_engine_id"), p.get("remote_request_id"))] = None
+            while len(self._pulled) > MAX_OUTCOMES:
+                self._pulled.pop(next(iter(self._pulled)))
+            self._pulls.append(PullJob(request.request_id, dict(p), spec))
 
     def build_connector_meta(self, step: int) -> NixlMeta:
         pulls, self._pulls = self._pulls, []

@@ -64,9 +64,7 @@ def pd_plan(params: dict | None, nixl, role: str, n: int) -> PDPlan:
     if nixl is None:
         raise PDRefused(f"kv_transfer_params: this worker runs --role {role}, without a transfer connector "
                         "(start P/D workers with --role prefill or --role decode)")
-    if params.get("do_remote_decode"):
-        if n != 1:
-            raise PDRefused("kv_transfer_params: a prefill hop computes one prompt (sampling n must be 1)")
+    if params.get("do_remote_decode"):  # the prompt only: the sampling parameters (n too) are the decode hop's
         return PDPlan("prefill", {"do_remote_decode": True})
     if bytes(params.get("compatibility_hash", b"")) != nixl.hash:
         raise PDRefused(_describe_remote_mismatch(nixl, params))
