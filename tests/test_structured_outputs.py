@@ -373,3 +373,17 @@ def test_sampler_masks_and_the_grammar_wins_a_dead_row(llm):
     out = Sampler(seed=0)(raw, states)
     assert out.token_ids[1] == int(raw[1].argmax()) and out.token_ids[0] in allowed
     assert states[0].structured.num_accepted == 1 and states[1].structured is None
+
+
+def test_benchmark_smallest_run():
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "structured_overhead.py")
+    proc = subprocess.run([sys.executable, script, "--vocab", "1024", "--batch", "1", "3", "--repeat", "1"],
+                          env=dict(os.environ, PYTHONSAFEPATH="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "unconstrained ms" in proc.stdout and "K3 tools required" in proc.stdout
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip() and ln.split()[0] in ("1", "3")]
+    assert [r[0] for r in rows] == ["1", "3"] and all(float(r[2]) > 0 for r in rows)
