@@ -8,12 +8,15 @@ tokens each), excluding the forward pass, and prints microseconds per step and p
 same run, the same workload goes through the code path from before the scheduler emitted deltas
 (benchmarks/_engine_before/: whole block tables rebuilt and resent every step), so each row shows
 ours, before, and their ratio; the last column is our per-request cost relative to the smallest batch
-(flat = the per-step cost grows linearly with the batch, no worse).
+(flat = the per-step cost grows linearly with the batch, no worse). Both paths run with the pool
+frozen out of the cyclic GC (`gc.freeze()` after set-up, `LLMEngine.freeze_gc()`; `--gc default`
+leaves Python's GC alone, whose full collections over the pool dominate at 1024 requests).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -31,6 +34,8 @@ from k3serve.workers.engine.model_runner import InputPreparer  # noqa: E402
 from k3serve.workers.engine.request import Request  # noqa: E402
 from k3serve.workers.engine.scheduler import Scheduler  # noqa: E402
 from k3serve.workers.model.make_model import build_config  # noqa: E402
+
+FREEZE_GC = True
 
 
 def _geometry(n_reqs: int, ctx: int, steps: int):
@@ -52,6 +57,9 @@ def measure(n_reqs: int, ctx: int = 512, steps: int = 50) -> tuple[float, float]
     kv = KVCacheCoordinator(layout, pool, enable_caching=True, hash_unit=16, retention=0)
     sched = Scheduler(kv, max_num_batched_tokens=max(8192, n_reqs * 2), max_num_seqs=n_reqs, max_model_len=max_len)
     prep = InputPreparer(layout, "cpu", max(8192, n_reqs * 2), n_reqs, max_len)
+    if FREEZE_GC:
+        gc.collect()
+        gc.freeze()  # LLMEngine.freeze_gc(): the pool's blocks are never scanned by the cyclic GC
     reqs = []
     for i in range(n_reqs):
         r = Request(f"r{i}", f"r{i}", 0, _prompt(i, ctx), SamplingParams(max_tokens=10**6), None)
@@ -93,6 +101,9 @@ def measure_before(n_reqs: int, ctx: int = 512, steps: int = 50) -> tuple[float,
     sched = OldScheduler(kv, max_num_batched_tokens=max(8192, n_reqs * 2), max_num_seqs=n_reqs,
                          max_model_len=max_len)
     prep = OldPreparer(layout, "cpu", max(8192, n_reqs * 2), n_reqs, max_len)
+    if FREEZE_GC:
+        gc.collect()
+        gc.freeze()  # the same GC treatment for the old path, so the comparison is the code's alone
     reqs = []
     for i in range(n_reqs):
         r = OldRequest(f"r{i}", f"r{i}", 0, _prompt(i, ctx), SamplingParams(max_tokens=10**6), None)
@@ -130,7 +141,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reqs", type=int, nargs="+", default=[16, 64, 256, 1024], help="running decode requests")
     ap.add_argument("--ctx", type=int, default=512, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=50, help="timed decode steps")
+    ap.add_argument("--gc", choices=("freeze", "default"), default="freeze",
+                    help="freeze: gc.freeze() after set-up (LLMEngine.freeze_gc(), a serving process); default: "
+                         "Python's cyclic GC untouched (full collections scan the whole pool)")
     args = ap.parse_args(argv)
+    global FREEZE_GC
+    FREEZE_GC = args.gc == "freeze"
     torch.set_num_threads(1)
     rows, base = [], None
     for n in args.reqs:
@@ -140,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         base = base or tot / n
         rows.append([n, s * 1e6, p * 1e6, tot * 1e6, btot * 1e6, btot / tot, tot / n * 1e6, btot / n * 1e6,
                      (tot / n) / base])
-    print(f"context {args.ctx} tokens, {args.steps} timed decode steps, tiny preset cache geometry, float32, CPU; "
+    print(f"context {args.ctx} tokens, {args.steps} timed decode steps, tiny preset cache geometry, float32, CPU, "
+          f"gc {args.gc}; "
           "'before' = benchmarks/_engine_before (whole block tables every step), same run")
     print_table(["running reqs", "schedule us/step", "prepare us/step", "total us/step", "before us/step",
                  "before/ours", "us/request", "before us/request", f"per-request vs {args.reqs[0]}"], rows)

@@ -20,7 +20,7 @@ class NewRequestData:
     kda_slots: list[int]  # per KDA group: the running state block (fixed for the request's life)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     request_id: str
     token_ids: list[int]  # the tokens to compute (positions start .. start+len-1)

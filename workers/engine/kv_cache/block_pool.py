@@ -26,7 +26,7 @@ from k3serve.workers.engine.kv_cache.eviction import EvictionScorer, make_scorer
 BlockKey = tuple[bytes, int]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     block_id: int
     ref_cnt: int = 0

@@ -79,6 +79,9 @@ class _ReqState:
 _NO_BLOCKS: list[list[int]] = []
 
 
+_DECODE_PLAN = StepPlan([], [], [])  # shared, never mutated: the plan of a trivial decode step
+
+
 class KVCacheCoordinator:
     def __init__(self, layout: CacheLayout, pool: BlockPool, *, enable_caching: bool = False,
                  hash_unit: int | None = None, retention: int | str = 0, selective: bool = False,
@@ -250,6 +253,8 @@ class KVCacheCoordinator:
         st = self.reqs[req.request_id]
         start = req.num_computed_tokens
         end = start + num_new
+        if num_new == 1 and self._decode_is_trivial(req, st, end):
+            return _DECODE_PLAN
         have = len(st.mla[0]) if st.mla else 0
         mla_new = max(0, -(-end // self.B) - have)
         ckpts = self.kda.checkpoint_positions(req, start, end) if self.kda_groups else []
@@ -269,6 +274,22 @@ class KVCacheCoordinator:
         plan = self._finish_plan(req, st, start, end, ckpts, [])
         plan.new_block_ids = new_ids
         return plan
+
+    def _decode_is_trivial(self, req: Request, st: _ReqState, end: int) -> bool:
+        """One token that needs no new page, crosses no retained boundary and keys nothing (the common
+        decode step: no allocation, an empty plan)."""
+        B = self.B
+        if st.mla and end > len(st.mla[0]) * B:
+            return False  # a new page
+        if not self.enable_caching:
+            return True
+        if end % self.unit == 0 or end % B == 0:
+            return False  # a unit or block end to key
+        if self.kda_groups:
+            step = self.kda._step
+            if end in req.retained_boundaries or (step and end % step == 0):
+                return False
+        return True
 
     def _finish_plan(self, req: Request, st: _ReqState, start: int, end: int, ckpts: list[int],
                      copies: list[tuple[int, int]]) -> StepPlan:
