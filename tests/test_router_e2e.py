@@ -241,7 +241,8 @@ def test_api_key_router_on_the_same_workers(platform, tmp_path):
     addrs = ",".join(w["grpc"] for w in platform["state"]["workers"])
     proc = subprocess.Popen([sys.executable, "-m", "k3serve.cli", "router", "--model", str(platform["model_dir"]),
                              "--workers", addrs, "--port", "0", "--metrics-port", "0", "--api-key-file", str(key),
-                             "--served-model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--served-model-name", "tiny", "--request-timeout", "6"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=dict(os.environ, PYTHONSAFEPATH="1"))
     try:
         line = ""
@@ -258,6 +259,10 @@ def test_api_key_router_on_the_same_workers(platform, tmp_path):
         ok = openai.OpenAI(base_url=url + "/v1", api_key="s3cret-key", max_retries=0)
         assert ok.completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
         assert httpx.get(url + "/health", timeout=5).status_code == 200  # probes need no key
+        r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer s3cret-key"}, timeout=60,
+                       json={"model": "tiny", "prompt": "x", "max_tokens": 1000, "ignore_eos": True})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"  # --request-timeout 6
+        _wait(lambda: all(w["inflight"] == 0 for w in _workers(url)), 10, "the timed-out call to be cancelled")
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0  # SIGTERM drains and exits cleanly
