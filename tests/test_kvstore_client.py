@@ -146,3 +146,19 @@ def test_joint_hit_needs_every_part():
     r = find_joint_hit(hs, probe=_probe(mla | kda), **{**kw, "start": 8})
     assert r.tokens == 10 and [bi for _g, bi, _h in r.mla_pages] == [2]
     assert find_joint_hit(hs, probe=_probe(mla | kda), **{**kw, "start": 12}).tokens == 0
+
+
+def test_bad_store_options_are_clear_errors(tiny_model_dir):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "k3serve.cli", "worker", "--model", str(tiny_model_dir),
+                        "--kv-store", "no-port"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "argument --kv-store: expected HOST:PORT, got 'no-port'" in r.stderr
+    from k3serve.workers.llm import LLM
+
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        LLM(str(tiny_model_dir), skip_tokenizer_init=True, max_model_len=64, kv_store="127.0.0.1:1")
+    with pytest.raises(ValueError, match="kv_store_staging_bytes: 1000 is smaller than one store object"):
+        LLM(str(tiny_model_dir), skip_tokenizer_init=True, max_model_len=64, enable_prefix_caching=True,
+            kv_store="127.0.0.1:1", kv_store_staging_bytes=1000)
