@@ -162,3 +162,29 @@ def test_bad_store_options_are_clear_errors(tiny_model_dir):
     with pytest.raises(ValueError, match="kv_store_staging_bytes: 1000 is smaller than one store object"):
         LLM(str(tiny_model_dir), skip_tokenizer_init=True, max_model_len=64, enable_prefix_caching=True,
             kv_store="127.0.0.1:1", kv_store_staging_bytes=1000)
+
+
+def test_private_netns_holder_shares_one_loopback():
+    import subprocess
+    import sys
+
+    from k3serve.kvstore.netns import PrivateNetns
+
+    with PrivateNetns() as ns:
+        links = subprocess.run(ns.argv(["ip", "-brief", "link"]), capture_output=True, text=True).stdout
+        assert links.split()[0] == "lo" and len(links.strip().splitlines()) == 1 and "UP" in links
+        server = subprocess.Popen(ns.argv([sys.executable, "-c", (
+            "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+            "print(s.getsockname()[1], flush=True); c, _ = s.accept(); c.sendall(b'hi')")]),
+            stdout=subprocess.PIPE, text=True)
+        port = int(server.stdout.readline())
+        got = subprocess.run(ns.argv([sys.executable, "-c", (
+            f"import socket; print(socket.create_connection(('127.0.0.1', {port})).recv(2).decode())")]),
+            capture_output=True, text=True, timeout=30).stdout.strip()
+        server.wait(10)
+        assert got == "hi"
+        # this process's own loopback is another namespace: the port is not there
+        import socket
+
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1)
