@@ -29,7 +29,8 @@ def run(coro, timeout=30):
 
 
 def started(engine):
-    aeng = AsyncEngine(engine, model_name="m", idle_wait_s=0.02)
+    # any failed step is fatal here: these tests are about engine death (containment: test_serve_async_engine)
+    aeng = AsyncEngine(engine, model_name="m", idle_wait_s=0.02, max_consecutive_step_failures=0)
     aeng.start()
     return aeng
 

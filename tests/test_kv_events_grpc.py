@@ -152,7 +152,8 @@ def test_subscriber_index_equals_engine_cache(tiny_model_dir, loop):
 class FakeWorker:
     def __init__(self, loop, engine, channel_options=(), **server_kw):
         self.loop, self.engine = loop, engine
-        self.aeng = AsyncEngine(engine, model_name="fake", idle_wait_s=0.02)
+        # a failed step is fatal (engine death is what these tests use; containment: test_serve_async_engine)
+        self.aeng = AsyncEngine(engine, model_name="fake", idle_wait_s=0.02, max_consecutive_step_failures=0)
         self.aeng.start()
 
         async def up():
