@@ -228,3 +228,51 @@ def test_an_engine_that_cannot_serve_any_more_exits_nonzero(tiny_model_dir, tmp_
     err = proc.stderr.read()
     assert statuses[:4] == [500] * 4 and rc == 1, (statuses, rc, err)
     assert "the engine failed" in err and "simulated broken engine" in err
+
+
+def test_a_worker_whose_engine_cannot_serve_any_more_exits_nonzero(tiny_model_dir, tmp_path):
+    """The same for `k3serve worker`: gRPC requests fail with INTERNAL, then the process exits 1."""
+    import grpc
+
+    from k3serve.proto import worker_pb2 as pb
+    from k3serve.proto import worker_pb2_grpc as pb_grpc
+    from k3serve.proto.convert import sampling_to_proto
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        "from k3serve.workers.engine.llm_engine import LLMEngine\n"
+        "def step(self):\n    raise RuntimeError('simulated broken engine')\n"
+        "LLMEngine.step = step\n"
+        "from k3serve.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.Popen([sys.executable, str(script), "worker", "--model", str(tiny_model_dir), "--grpc-port", "0",
+                             "--metrics-port", "0", "--max-model-len", "64", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONSAFEPATH": "1"})
+    try:
+        line = ""
+        while "ready grpc=" not in line:
+            line = proc.stdout.readline()
+            assert line, "worker did not start"
+        addr = line.split("ready grpc=")[1].split()[0]
+        codes = []
+        with grpc.insecure_channel(addr) as channel:
+            stub = pb_grpc.WorkerStub(channel)
+            for i in range(6):
+                try:
+                    list(stub.Generate(pb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=[1, 2],
+                                                          sampling_params=sampling_to_proto({"max_tokens": 1})),
+                                       timeout=30))
+                    codes.append("OK")
+                except grpc.RpcError as e:
+                    codes.append(e.code().name)
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        break
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert codes[:4] == ["INTERNAL"] * 4 and rc == 1, (codes, rc, out)
+    assert "the engine failed" in out
