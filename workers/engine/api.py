@@ -30,8 +30,9 @@ How to add a field (its flag appears in `serve` and `worker` by itself):
   default None (annotated `bool | None`) it is `--my-switch/--no-my-switch` (None = the engine decides);
   any other field with default None and no `parse=` takes a string. `choices=` restricts
   the values (and is shown in `--help`). Sizes use `parse_size` (k3serve/common/sizes.py: 8G, 8GiB,
-  512M, plain bytes) so every size flag reads the same way; `positive_int` and `non_negative_int` are
-  below. Checks that need several fields or the model (a unit dividing the block size, a budget too
+  512M, plain bytes) so every size flag reads the same way; `positive_int`, `kv_memory` and
+  `retention_interval` below are examples. tests/test_engine_args_cli.py sets every field from the
+  command line with a sample string; if your parser accepts none of its CANDIDATES, add one there. Checks that need several fields or the model (a unit dividing the block size, a budget too
   small for a request) belong in the engine, which raises ValueError (`k3serve: error: ...`, exit 1).
 * `nargs="+"` with `to_field=` (a function from the parsed list to the field's value) for a flag that
   takes several words; `cli=False` keeps a field off the command line (only `model`, which every
