@@ -185,6 +185,37 @@ def test_second_random_config(workers, models):
         assert toks == want[i] and res["outcome"] == "pulled", res
 
 
+def test_a_hung_prefill_worker_does_not_stall_the_decode_engine(workers, models):
+    """The handshake with a peer that does not answer (SIGSTOP) runs off the engine thread: other
+    requests on the decode worker finish meanwhile, and the waiting one recomputes after the handshake
+    timeout."""
+    p3, d2 = workers["P3"], workers["D2"]
+    prompt = [t % VOCAB for t in range(1, 45)]
+    kvp = prefill_hop(p3, "hung-p", prompt, 4)
+    kvp.remote_engine_id = "not-cached"  # forces a fresh handshake
+    os.kill(p3.proc.pid, signal.SIGSTOP)
+    try:
+        done = {}
+
+        def hung():
+            done["hung"] = decode_hop(d2, "hung", prompt, 4, kvp)
+            done["hung_t"] = time.monotonic()
+
+        th = threading.Thread(target=hung)
+        th.start()
+        time.sleep(0.5)
+        plain = list(d2.stub.Generate(pb.GenerateRequest(request_id="meanwhile", prompt_token_ids=prompt[:9],
+                                                         sampling_params=_sp(3)), timeout=60))
+        t_plain = time.monotonic()
+        th.join(60)
+    finally:
+        os.kill(p3.proc.pid, signal.SIGCONT)
+    assert plain[-1].finished and t_plain < done["hung_t"]
+    toks, res = done["hung"]
+    assert (res["outcome"], res["reason"]) == ("recomputed", "peer_unreachable")
+    assert toks == reference_outputs(models[1], [prompt], 4)[0]
+
+
 def test_decode_pulls_only_what_its_prefix_cache_lacks(workers, models):
     """A follow-up turn (prompt + answer + more) on the same decode worker: its own cache supplies the
     prefix it computed during decode (dense KDA snapshots); only the rest is pulled."""
