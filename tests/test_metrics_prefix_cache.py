@@ -42,6 +42,16 @@ EXPECTED = {
 }
 
 
+OFFLOAD = {  # with `serve --kv-offload-memory`: the host tier's series
+    "k3serve_kv_offload_hit_tokens_total": ({}, "kv_offload_hit_tokens"),
+    "k3serve_kv_offload_stored_pages_total": ({}, "kv_offload_stored_blocks"),
+    "k3serve_kv_offload_stored_bytes_total": ({}, "kv_offload_stored_bytes"),
+    "k3serve_kv_offload_loaded_bytes_total": ({}, "kv_offload_loaded_bytes"),
+    "k3serve_kv_offload_evictions_total": ({}, "kv_offload_evictions"),
+    "k3serve_kv_offload_usage_perc": ({}, "kv_offload_usage"),
+}
+
+
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
     out = {}
     for fam in text_string_to_metric_families(text):
@@ -51,7 +61,7 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def _scraped(samples, key):
-    labels, _ = EXPECTED[key]
+    labels, _ = {**EXPECTED, **OFFLOAD}[key]
     name = key.split("#")[0]
     return samples.get((name, tuple(sorted({"model_name": NAME, **labels}.items()))))
 
@@ -80,20 +90,22 @@ async def _workload(aeng):
     return outs
 
 
-@pytest.mark.parametrize("command", ["serve", "worker"])
+@pytest.mark.parametrize("command", ["serve", "worker", "serve-offload"])
 def test_prefix_cache_metrics_scraped(tiny_model_dir, command):
     torch.set_num_threads(1)
     p = argparse.ArgumentParser()
-    if command == "serve":
+    expected = {**EXPECTED, **OFFLOAD} if command == "serve-offload" else EXPECTED
+    if command.startswith("serve"):
         serve_cli.configure(p)
-        args = p.parse_args([str(tiny_model_dir), "--port", "0", *_engine_options(tiny_model_dir)])
+        extra = ["--kv-offload-memory", "64M"] if command == "serve-offload" else []
+        args = p.parse_args([str(tiny_model_dir), "--port", "0", *_engine_options(tiny_model_dir), *extra])
     else:
         worker_cli.configure(p)
         args = p.parse_args(["--model", str(tiny_model_dir), "--grpc-port", "0", "--metrics-port", "0",
                              *_engine_options(tiny_model_dir)])
     served = start_engine(args, str(tiny_model_dir))
     aeng = served.async_engine
-    if command == "serve":
+    if command.startswith("serve"):
         app = build_app(aeng, served_model_names=served.model_names, registry=served.registry)
     else:
         app = worker_cli.build_metrics_app(aeng, served.registry)
@@ -109,8 +121,8 @@ def test_prefix_cache_metrics_scraped(tiny_model_dir, command):
                 r = await client.get("/metrics")
                 assert r.status_code == 200
                 samples = _samples(r.text)
-                got = {k: _scraped(samples, k) for k in EXPECTED}
-                want = {k: float(stats[key]) for k, (_, key) in EXPECTED.items()}
+                got = {k: _scraped(samples, k) for k in expected}
+                want = {k: float(stats[key]) for k, (_, key) in expected.items()}
                 if got == want or time.monotonic() > deadline:
                     return stats, got, want
 
@@ -122,3 +134,6 @@ def test_prefix_cache_metrics_scraped(tiny_model_dir, command):
     for key in ("prefix_cache_hits", "prefix_cache_mla_hits", "prefix_cache_kda_hits", "kda_snapshots_stored",
                 "kda_snapshots_evicted", "prefill_tokens_skipped", "num_preemptions"):
         assert stats[key] > 0, f"the workload was meant to produce {key}"
+    if command == "serve-offload":
+        for key in ("kv_offload_hit_tokens", "kv_offload_stored_blocks", "kv_offload_loaded_bytes"):
+            assert stats[key] > 0, f"the workload was meant to produce {key}"

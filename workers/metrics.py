@@ -145,8 +145,9 @@ class EngineMetrics:
                 continue
             value = float(stats[key])
             delta = value - self._cumulative.get((metric, labels, key), 0.0)
+            child = self.m[metric].labels(model_name=self.model_name, **dict(labels))  # exported from 0 on
             if delta > 0:
-                self.m[metric].labels(model_name=self.model_name, **dict(labels)).inc(delta)
+                child.inc(delta)
             self._cumulative[(metric, labels, key)] = value
         self._store_series(stats)
 
