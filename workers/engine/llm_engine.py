@@ -290,6 +290,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.structured)
 
+    def has_pending_connector_work(self) -> bool:
+        """Finished requests' pages still pinned for a connector (delayed frees), async loads or block
+        holds in flight: a driver that stops stepping when no request is unfinished should still call
+        `step()` now and then (say every few ms) while this is true, so confirmations and expiries are
+        processed."""
+        return self.scheduler.has_pending_connector_work()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
 
