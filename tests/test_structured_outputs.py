@@ -385,3 +385,40 @@ def test_benchmark_smallest_run():
     assert "unconstrained ms" in proc.stdout and "K3 tools required" in proc.stdout
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip() and ln.split()[0] in ("1", "3")]
     assert [r[0] for r in rows] == ["1", "3"] and all(float(r[2]) > 0 for r in rows)
+
+
+def test_k3_grammar_accepts_free_and_union_arguments(llm):
+    """Token-level walk through the grammar: a non-strict tool under auto takes any typed arguments;
+    a property with several types (or anyOf) takes any of them; the turn ends with the stop token."""
+    from k3serve.workers.structured.matcher import GrammarState
+
+    tok, cache = llm.tokenizer, llm.engine.structured.cache
+    o, c, s = (tok.special_id(n) for n in ("<|open|>", "<|close|>", "<|sep|>"))
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": ["integer", "string"]}, "b": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}}]
+
+    def walk(so, parts) -> GrammarState:
+        st = GrammarState(cache.compile_now(so))
+        for p in parts:
+            for t in [p] if isinstance(p, int) else tok.encode(p):
+                assert st.accept(t), (p, t)
+        return st
+
+    def call(*args):
+        out = [o, 'call tool="f" index="1"', s]
+        for key, typ, val in args:
+            out += [o, f'argument key="{key}" type="{typ}"', s, val, c, "argument", s]
+        return out + [c, "call", s]
+
+    tail = [c, "tools", s, c, "message", s, tok.eos_token_id]
+    st = walk(StructuredOutputsParams(json={"type": "object"}, k3_chat=True, tools=tools, tool_choice="auto"),
+              ["{}", c, "response", s, o, "tools", s, *call(("zz", "string", "hi"), ("y", "object", '{"q": [1]}')),
+               *tail])
+    assert st.matcher.is_terminated()
+    st = walk(StructuredOutputsParams(k3_chat=True, tools=tools, tool_choice="required"),
+              ["x", c, "response", s, o, "tools", s, *call(("a", "string", "hi"), ("b", "number", "5")), *tail])
+    assert st.matcher.is_terminated()
+    st = GrammarState(cache.compile_now(StructuredOutputsParams(k3_chat=True, tools=tools, tool_choice="required")))
+    for t in tok.encode("x") + [c] + tok.encode("response") + [s]:
+        assert st.accept(t)
+    assert not st.accept(c)  # required: the message cannot close before a call
