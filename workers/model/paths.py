@@ -44,10 +44,16 @@ def ensure_tiny_model(seed: int = 0) -> Path:
     return final
 
 
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "k3-demo-stdlib"
+"""The trained demo model in the repository (models/k3-demo-stdlib, made by scripts/train_demo_model.py)."""
+
+
 def default_serving_model() -> Path:
     """The model `k3serve up` / `make run` serve when no `--model` is given.
 
-    The generated tiny model (random weights) until the trained demo model lands; then this returns
-    the demo model. Tests that need random weights call `ensure_tiny_model` directly.
+    The trained demo model (`DEMO_MODEL_DIR`) when the checkout holds it, else the generated tiny model
+    (random weights). Tests that need random weights call `ensure_tiny_model` directly.
     """
+    if (DEMO_MODEL_DIR / "config.json").is_file():
+        return DEMO_MODEL_DIR
     return ensure_tiny_model()

@@ -7,7 +7,7 @@ Written for clarity, not speed: one sequence, the full sequence recomputed at ev
 
 Stack (design doc §1): embedding -> L decoder layers (KDA or MLA attention, dense MLP or (Latent)MoE)
 joined by Block Attention Residuals (or a plain pre-norm residual when attn_res_block_size is null, as in
-Kimi-Linear) -> final RMSNorm -> lm_head. MTP layers are loaded but not used here.
+Kimi-Linear) -> final RMSNorm -> lm_head. The MTP drafter layers: workers/model/mtp.py.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from ..loader import load_model_weights
 from ..spec import expected_weights
 from . import forward as F
 from .bpe import train_bpe, write_k3_tokenizer
+from .card import write_model_card
 from .chat_data import TOOLS, make_examples
 from .corpus import extract_functions, split_files, stdlib_dir, stdlib_files
 from .evaluate import function_body_parse_rate, heldout_perplexity, mtp_accuracy
@@ -313,10 +314,13 @@ def main(argv=None) -> int:  # noqa: C901
     files = stdlib_files(root)
     train_files, held_files = split_files(files)
     nbytes = sum(len(t.encode()) for _, t in files)
+    if not train_files or not held_files:
+        raise SystemExit(f"train_demo_model: {root} gives {len(train_files)} training and {len(held_files)} "
+                         "held-out files; both must be non-empty")
     log(f"text: {root}: {len(files)} files, {nbytes / 1e6:.1f} MB; train {len(train_files)}, held-out {len(held_files)}")
 
     # 2. tokenizer
-    model_dir = out / "model"
+    model_dir = out / MODEL_NAME
     model_dir.mkdir(exist_ok=True)
     t = time.time()
     ranks = train_bpe([x for _, x in train_files], args.vocab)
@@ -370,6 +374,9 @@ def main(argv=None) -> int:  # noqa: C901
             mloss = F.cross_entropy(ml, chunk[:, 2:])
         return loss, mloss
 
+    if held_tok.numel() < args.seq + 3:
+        raise SystemExit(f"train_demo_model: the held-out files give {held_tok.numel()} tokens, fewer than "
+                         f"--seq + 3 = {args.seq + 3}")
     held_fixed = held_tok[: (held_tok.numel() - 1) // args.seq * args.seq + 1]
     last_save = time.time()
 
@@ -464,7 +471,7 @@ def main(argv=None) -> int:  # noqa: C901
             sft_loss = F.cross_entropy(F.lm_logits(with_tied(w, cfg), cfg, h), ids_t[:, 1:], mask_t[:, 1:])
             ml, _ = F.mtp_hidden(with_tied(w, cfg), cfg, 0, h[:, :-1].detach(), ids_t[:, 1:-1], of)
             sft_mtp = F.cross_entropy(ml, ids_t[:, 2:], mask_t[:, 2:])
-            loss, mloss = lm_loss(batch_windows(train_tok, args.batch // 4, args.seq), of)
+            loss, mloss = lm_loss(batch_windows(train_tok, max(1, args.batch // 4), args.seq), of)
             total_loss = sft_loss + args.mtp_weight * sft_mtp + 0.5 * (loss + args.mtp_weight * mloss)
             opt.zero_grad(set_to_none=True)
             total_loss.backward()
@@ -522,4 +529,5 @@ def main(argv=None) -> int:  # noqa: C901
     results["wall_seconds"] = round(time.time() - t_start, 1)
     (model_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     shutil.copy(out / "train.log", model_dir / "train.log")
+    write_model_card(model_dir)
     return 0
