@@ -308,8 +308,59 @@ class ResponseFormat(_Model):
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise ValueError("json_schema: required when type is 'json_schema'")
-            check_json_schema(self.json_schema.get("schema", {}), "json_schema.schema")
+            if "schema" not in self.json_schema:
+                raise ValueError("json_schema.schema: required when type is 'json_schema'")
+            if not isinstance(self.json_schema["schema"], dict | bool):
+                raise ValueError("json_schema.schema: must be a JSON schema object")
+            check_json_schema(self.json_schema["schema"], "json_schema.schema")
         return self
+
+    def body(self) -> dict:
+        """The body constraint as `StructuredOutputsParams` fields ({} for text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema["schema"]}
+        return {}
+
+
+class StructuredOutputsRequest(_Model):
+    """vLLM's `structured_outputs` request field: exactly one of json / json_object / regex / choice /
+    grammar (EBNF). Unknown keys are an error, so an unsupported option never silently goes unenforced."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+    backend: Literal["auto", "xgrammar"] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputsRequest:
+        set_ = [k for k, v in (("json", self.json_), ("json_object", self.json_object or None),
+                               ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar))
+                if v is not None]
+        if len(set_) != 1:
+            raise ValueError("exactly one of json, json_object, regex, choice, grammar must be set"
+                             + (f" (got {', '.join(set_)})" if set_ else ""))
+        if isinstance(self.json_, str):
+            try:
+                self.json_ = json.loads(self.json_)
+            except ValueError as e:
+                raise ValueError(f"json: not valid JSON ({e})") from None
+        if self.json_ is not None:
+            if not isinstance(self.json_, dict | bool):
+                raise ValueError("json: must be a JSON schema object")
+            check_json_schema(self.json_, "json")
+        return self
+
+    def body(self) -> dict:
+        if self.json_ is not None:
+            return {"json": self.json_}
+        if self.json_object:
+            return {"json_object": True}
+        return {k: getattr(self, k) for k in ("regex", "choice", "grammar") if getattr(self, k) is not None}
 
 
 class _GenerationFields(_Model):
@@ -336,6 +387,8 @@ class _GenerationFields(_Model):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extension
 
     @model_validator(mode="before")
     @classmethod
@@ -377,7 +430,16 @@ class _GenerationFields(_Model):
     def _common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("response_format and structured_outputs: send only one of them")
         return self
+
+    def structured_body(self) -> dict:
+        """The body constraint (`StructuredOutputsParams` fields) from response_format / structured_outputs."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.body()
+        return self.response_format.body() if self.response_format is not None else {}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -407,7 +469,6 @@ class ChatCompletionRequest(_GenerationFields):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _chat(self) -> ChatCompletionRequest:
@@ -552,12 +613,45 @@ def sampling_kwargs(req: _GenerationFields, *, max_tokens: int | None, chat: boo
         kw["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
         kw["skip_special_tokens"] = False
         kw["spaces_between_special_tokens"] = False
+        so = chat_structured_outputs(req)
     else:
         assert isinstance(req, CompletionRequest)
         kw["logprobs"] = req.logprobs
         kw["skip_special_tokens"] = req.skip_special_tokens
         kw["spaces_between_special_tokens"] = req.spaces_between_special_tokens
+        so = req.structured_body() or None
+    if so is not None:
+        kw["structured_outputs"] = so
     return kw
+
+
+def chat_structured_outputs(req: ChatCompletionRequest) -> dict | None:
+    """`StructuredOutputsParams` fields for a chat request, or None when nothing is enforced.
+
+    Enforced (docs/serving.md "Structured outputs"): a response_format / structured_outputs body;
+    tool_choice "required" or a named function (always); tools marked `strict` (under "auto" their
+    calls follow their schemas, under "none" no call can be made). Plain "auto"/"none" without strict
+    tools are left to the model and the parser.
+    """
+    from k3serve.chat.renderer import resolve_thinking  # lazy: the chat package imports no protocol
+
+    body = req.structured_body()
+    so: dict[str, Any] = dict(body)
+    tools = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice_value() or "auto"
+    if tools:
+        so.update(tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls is not False)
+    enforce_tools = tools and (choice == "required" or isinstance(choice, dict)
+                               or any(t.get("strict") for t in tools))
+    if not body and not enforce_tools:
+        return None
+    rk = req.render_kwargs()  # the same thinking switches the renderer resolves
+    try:
+        thinking, _ = resolve_thinking(rk["thinking"], rk["enable_thinking"], rk["reasoning_effort"])
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+    so.update(k3_chat=True, thinking=thinking)
+    return so
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int, *,

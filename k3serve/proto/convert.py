@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import json
+
 from k3serve.openai_api.deltas import SeqDelta
 from k3serve.outputs import Logprob
 from k3serve.proto import worker_pb2 as pb
@@ -33,6 +35,10 @@ def sampling_to_proto(kwargs: dict) -> pb.SamplingParams:
     msg.stop_token_ids.extend(kwargs.get("stop_token_ids") or [])
     for tid, bias in (kwargs.get("logit_bias") or {}).items():
         msg.logit_bias[int(tid)] = float(bias)
+    so = kwargs.get("structured_outputs")
+    if so is not None:
+        so = so.to_dict() if hasattr(so, "to_dict") else so
+        msg.structured_outputs = json.dumps(so, ensure_ascii=False, separators=(",", ":"))
     return msg
 
 
@@ -50,6 +56,11 @@ def sampling_kwargs_from_proto(msg: pb.SamplingParams) -> dict:
         kw["stop_token_ids"] = list(msg.stop_token_ids)
     if msg.logit_bias:
         kw["logit_bias"] = {int(k): float(v) for k, v in msg.logit_bias.items()}
+    if msg.HasField("structured_outputs"):
+        try:
+            kw["structured_outputs"] = json.loads(msg.structured_outputs)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: not valid JSON ({e})") from None
     return kw
 
 
