@@ -37,3 +37,4 @@ def series(stats: dict) -> Iterator[tuple[str, dict, float, str]]:
             _f, op, code = k.split(":", 2)
             yield "k3serve_kv_store_failures", {"op": op, "code": code}, v, "counter"
     yield "k3serve_kv_store_healthy", {}, g.get("healthy", 0.0), "gauge"
+    yield "k3serve_kv_store_wait_max_seconds", {}, g.get("wait_max_s", 0.0), "gauge"

@@ -99,7 +99,8 @@ class StoreService:
         self.attached_once = threading.Event()
         self._lock = threading.Lock()
         self.stats: dict[str, float] = {"deadline_misses_lookup": 0, "deadline_misses_load": 0,
-                                        "unavailable": 0, "healthy": 0, "attaches": 0}
+                                        "unavailable": 0, "healthy": 0, "attaches": 0,
+                                        "wait_max_s": 0.0}  # longest a caller waited on one call
         self.failures: dict[tuple[str, str], int] = {}  # (op, code name) -> count
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -182,12 +183,17 @@ class StoreService:
             self.stats["unavailable"] += 1
             raise StoreUnavailable("kv store unavailable")
         fut = lane.submit(lambda: self._guarded(fn, op))
+        t0 = time.monotonic()
         try:
             return fut.result(timeout=self.deadline_s if deadline_s is None else deadline_s)
         except FutureTimeout:
             lane.overdue = True
             self.stats[f"deadline_misses_{op}"] = self.stats.get(f"deadline_misses_{op}", 0) + 1
             raise DeadlineMissed(f"kv store {op}: no answer within the deadline") from None
+        finally:
+            waited = time.monotonic() - t0
+            if waited > self.stats["wait_max_s"]:
+                self.stats["wait_max_s"] = waited
 
     def submit_save(self, fn: Callable[[], None]) -> bool:
         """Queue a put job (never waits). False (dropped) when the store is unavailable."""

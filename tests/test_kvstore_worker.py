@@ -158,10 +158,11 @@ def test_store_lookup_and_reuse_across_workers(workers, reference):
 def test_master_killed_then_restarted(master, workers, reference):
     w1, w2 = workers
     master.kill()
-    # requests keep succeeding while the master is dead, and none waits on the store for long (a call
-    # into a dead master blocks ~4.3 s; the deadline is 50 ms)
+    # requests keep succeeding while the master is dead, and none waits on the store past the deadline
+    # (a call into a dead master blocks ~4.3 s; the deadline is 50 ms): each worker's longest wait on
+    # one store call is on its /metrics. Rounds cover the first, failing-at-once calls and the blocking ones.
     worst, n, end = 0.0, 0, time.monotonic() + 7
-    while time.monotonic() < end:
+    while time.monotonic() < end or n < 2:
         X = _prefix(100 + n)
         for w in (w1, w2):
             toks, _cached, dt = w.generate(X + [n + 1])
@@ -170,13 +171,14 @@ def test_master_killed_then_restarted(master, workers, reference):
             assert r.status in (pb.StoreLookupResponse.UNAVAILABLE, pb.StoreLookupResponse.DEADLINE_EXCEEDED,
                                 pb.StoreLookupResponse.OK)
         n += 1
-    assert n >= 3 and worst < 2.5, (n, worst)
     assert toks == reference(X + [n])
     time.sleep(1.5)  # metrics follow the engine's stats every second or so
     skipped = sum(w.metric("k3serve_kv_store_lookups_total", result="skipped")
                   + w.metric("k3serve_kv_store_deadline_misses_total") for w in (w1, w2))
     print(f"outage: {n} rounds, worst request {worst * 1e3:.0f} ms, lookups skipped/late {skipped:.0f}")
     assert skipped > 0  # the store was asked, and the engine went on without it
+    for w in (w1, w2):  # no call made a request wait much past the 50 ms deadline (slack: a loaded CI box)
+        assert w.metric("k3serve_kv_store_wait_max_seconds") < 0.05 + 0.25
     assert w1.metric("k3serve_kv_store_healthy") == 0
     # restart (all keys are gone): reuse resumes once both workers are attached again
     master.start()

@@ -113,6 +113,8 @@ CATALOG: tuple[MetricSpec, ...] = (
                ("model_name", "op"), _W),
     MetricSpec("k3serve_kv_store_healthy", "gauge", "1 while the Mooncake store is attached and healthy, else 0.",
                _M, _W),
+    MetricSpec("k3serve_kv_store_wait_max_seconds", "gauge",
+               "Longest time a request waited on one store call (bounded by the store deadline).", _M, _W),
     # --- router ---
     MetricSpec("k3serve_router_requests", "counter", "Requests received by the gateway.",
                ("model_name", "endpoint", "status"), _R),
