@@ -5,6 +5,8 @@ from __future__ import annotations
 from k3serve.common import metrics_catalog
 
 PHASES = ("Pending", "Progressing", "Ready", "Degraded")
+# the `handler` label values of operator/handlers.py: kopf's cause of a reconcile, the timer, delete
+HANDLERS = ("create", "update", "resume", "timer", "delete")
 
 
 class OperatorMetrics:
@@ -19,6 +21,10 @@ class OperatorMetrics:
         self._phases: dict[tuple[str, str], str] = {}
         for phase in PHASES:
             self._m["k3serve_operator_deployments"].labels(condition=phase).set(0)
+        # every handler's error series exists from the start (0 until an error), so a dashboard shows
+        # "no errors" instead of "no data"
+        for handler in HANDLERS:
+            self._m["k3serve_operator_reconcile_errors"].labels(handler=handler)
 
     def observe(self, handler: str, result: str, seconds: float) -> None:
         self._m["k3serve_operator_reconciles"].labels(handler=handler, result=result).inc()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import os
 import secrets as _secrets
@@ -40,7 +41,8 @@ import yaml
 
 from k3serve.operator.render import render
 from k3serve.operator.render_context import RenderOptions
-from k3serve.operator.simulate_plan import Inputs, SimPod, SimulateError, plan, prometheus_config
+from k3serve.operator.simulate_operator import SimulatedCluster
+from k3serve.operator.simulate_plan import IP_BASE, Inputs, SimPod, SimulateError, plan, prometheus_config
 from k3serve.operator.status import gateway_url
 
 PROMETHEUS = "/usr/bin/prometheus"
@@ -63,6 +65,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="run the pods in a private network namespace (auto: when the store is enabled)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every pod to be ready")
     p.add_argument("--exit-when-ready", action="store_true", help="stop the pods and exit 0 once all are ready")
+    p.add_argument("--operator", action="store_true",
+                   help="also run the operator (kopf) against an API emulator holding the CR; report its status")
 
 
 @dataclass
@@ -242,8 +246,27 @@ def _default_claims(spec: dict, claims: dict[str, str], root: Path, log) -> None
     claims[pvc["claimName"]] = str(claim_dir)
 
 
+def free_ip_base(pods: int, ports: tuple[int, ...] = (8000, 9100, 50051)) -> ipaddress.IPv4Address:
+    """A 127.100.N.1 block whose first `pods` addresses have the contract ports free (so simulations
+    sharing this machine's network each get their own pod IPs)."""
+    for n in range(os.getpid() % 200, os.getpid() % 200 + 250):
+        base = ipaddress.IPv4Address(f"127.100.{n % 250 + 1}.1")
+        if all(_port_free(str(base + i), port) for i in range(pods) for port in ports):
+            return base
+    raise SimulateError("no free 127.100.N.0/24 block for the pod addresses")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def build(cr: dict, *, root: Path, namespace: str | None = None, claims: dict[str, str] | None = None,
-          secrets: dict[str, dict[str, str]] | None = None, log=print) -> Simulation:
+          secrets: dict[str, dict[str, str]] | None = None, log=print, ip_base=None) -> Simulation:
     """Render `cr` and plan its pods (nothing started)."""
     meta = cr.setdefault("metadata", {})
     meta["namespace"] = namespace or meta.get("namespace") or "default"
@@ -263,11 +286,14 @@ def build(cr: dict, *, root: Path, namespace: str | None = None, claims: dict[st
                 "(the API key clients send)")
     inputs = Inputs(namespace=meta["namespace"], cluster_domain=options.cluster_domain, secrets=secrets,
                     claims=claims)
-    pods = plan(rendered.objects, inputs, root)
+    pods = plan(rendered.objects, inputs, root, ip_base or IP_BASE)
     url = gateway_url(rendered, meta["name"], meta["namespace"], {}, options)
     sim = Simulation(pods=pods, root=root, gateway_url=url)
     sim.objects = rendered.objects  # type: ignore[attr-defined]
     sim.spec = rendered.spec  # type: ignore[attr-defined]
+    sim.cr = cr  # type: ignore[attr-defined]
+    sim.config_hash = rendered.config_hash  # type: ignore[attr-defined]
+    sim.secrets = secrets  # type: ignore[attr-defined]  (with any generated API key)
     return sim
 
 
@@ -341,10 +367,11 @@ def _forward_forever(pairs: list[tuple[socket.socket, tuple[str, int]]]) -> thre
     return t
 
 
-def start_prometheus(sim: Simulation, listen: str, interval: str | None) -> subprocess.Popen:
+def start_prometheus(sim: Simulation, listen: str, interval: str | None,
+                     operator_targets: list[dict] | None = None) -> subprocess.Popen:
     cfg = sim.root / "prometheus.yml"
     cfg.write_text(prometheus_config(sim.objects, sim.pods, sim.pods[0].env.get("K3SERVE_NAMESPACE", "default"),
-                                     interval))
+                                     interval, operator_targets))
     data = sim.root / "prometheus-data"
     data.mkdir(exist_ok=True)
     log = open(sim.root / "prometheus.log", "wb")  # noqa: SIM115
@@ -388,9 +415,19 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     private = args.private_network == "yes" or (args.private_network == "auto" and sim.spec["kvStore"]["enabled"])
+    if not private:  # this machine's loopback is shared: take pod addresses nothing else listens on
+        try:
+            sim = build(cr, root=root, namespace=args.namespace, claims=_parse_pvc(args.pvc),
+                        secrets=sim.secrets, log=lambda *_a, **_k: None,
+                        ip_base=free_ip_base(len(sim.pods)))
+        except SimulateError as e:
+            print(f"k3serve operator simulate: {e}", file=sys.stderr)
+            return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    cluster = None
+    cleanup: list = []
     try:
         gateway_sock = _bind(args.listen) if private else None
         prom_sock = _bind(args.prometheus_listen) if (private and args.prometheus) else None
@@ -400,10 +437,22 @@ def run(args: argparse.Namespace) -> int:
         sim.start()
         sim.wait_ready(args.timeout)
         sim.wait_gateway(60)
+        if args.operator:  # the operator's own status: phase Ready and status.gatewayURL
+            cluster = SimulatedCluster(sim.cr, sim.pods, root)
+            cleanup.append(cluster.stop)
+            cluster.start()
+            status = cluster.wait_ready(args.timeout)
+            if status.get("configHash") != sim.config_hash:
+                raise SimulateError(f"the operator's configHash {status.get('configHash')} is not the simulated "
+                                    f"pods' {sim.config_hash}")
+            sim.gateway_url = status["gatewayURL"]
+            print(f"k3serve operator simulate: operator status phase={status['phase']} "
+                  f"readyPools={status.get('readyPools')} configHash={status['configHash']}", flush=True)
         rip, rport = router_address(sim)
         if args.prometheus:
             prom_listen = "127.0.0.1:9090" if private else _free_listen(args.prometheus_listen)
-            sim.extra.append(start_prometheus(sim, prom_listen, args.scrape_interval))
+            sim.extra.append(start_prometheus(sim, prom_listen, args.scrape_interval,
+                                              cluster.prometheus_targets() if cluster else None))
             sim.prometheus_url = f"http://{prom_listen}"
         if private:
             pairs = [(gateway_sock, (rip, rport))]
@@ -420,8 +469,12 @@ def run(args: argparse.Namespace) -> int:
         for p in sim.pods:
             print(f"  pod {p.name} ip={p.ip} log={root / 'pods' / p.name / 'log'}", flush=True)
         backoff: dict[str, float] = {}
+        last_sync = 0.0
         while not args.exit_when_ready and not stop.is_set():
             sim.restart_exited(backoff)
+            if cluster is not None and time.monotonic() - last_sync > 1.0:
+                cluster.sync()
+                last_sync = time.monotonic()
             stop.wait(0.2)
         return 0
     except SimulateError as e:
@@ -429,6 +482,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         sim.stop()
+        for fn in cleanup:
+            fn()
 
 
 def _url(sock: socket.socket) -> str:

@@ -67,7 +67,7 @@ class SimPod:
         return self.labels.get(n.LABEL_ROLE, "")
 
 
-def pods_of(objects: list[dict]) -> list[SimPod]:
+def pods_of(objects: list[dict], ip_base: ipaddress.IPv4Address = IP_BASE) -> list[SimPod]:
     """One SimPod per pod the StatefulSets and Deployments would create, each with its own IP."""
     pods: list[SimPod] = []
     for obj in objects:
@@ -87,7 +87,7 @@ def pods_of(objects: list[dict]) -> list[SimPod]:
                 labels["statefulset.kubernetes.io/pod-name"] = pod_name
             else:
                 pod_name = f"{name}-sim{i}"
-            ip = str(IP_BASE + len(pods))
+            ip = str(ip_base + len(pods))
             pods.append(SimPod(name=pod_name, ip=ip, labels=labels, workload=f"{kind}/{name}", template=tpl))
     return pods
 
@@ -202,12 +202,12 @@ def rewrite_paths(value: str, mounts: list[tuple[str, str]], sandbox: Path) -> s
     return value
 
 
-def plan(objects: list[dict], inputs: Inputs, root: Path) -> list[SimPod]:
+def plan(objects: list[dict], inputs: Inputs, root: Path, ip_base: ipaddress.IPv4Address = IP_BASE) -> list[SimPod]:
     """Every pod with its argv, env, files and readiness URL (root: the simulation's folder)."""
     for obj in objects:
         if obj["kind"] == "ConfigMap":
             inputs.config_maps[obj["metadata"]["name"]] = dict(obj.get("data") or {})
-    pods = pods_of(objects)
+    pods = pods_of(objects, ip_base)
     routes = service_routes(objects, pods, inputs.namespace, inputs.cluster_domain)
     for pod in pods:
         _plan_pod(pod, inputs, routes, root / "pods" / pod.name)
@@ -330,9 +330,15 @@ def _static_discovery(pods: list[SimPod]) -> None:
         pod.argv = out
 
 
-def prometheus_config(objects: list[dict], pods: list[SimPod], namespace: str, interval: str | None = None) -> str:
-    """prometheus.yml scraping what the rendered PodMonitor selects, as the Prometheus operator would."""
+def prometheus_config(objects: list[dict], pods: list[SimPod], namespace: str, interval: str | None = None,
+                      operator_targets: list[dict] | None = None) -> str:
+    """prometheus.yml scraping what the rendered PodMonitor selects, as the Prometheus operator would
+    (plus the operator's own /metrics, which the chart's PodMonitor/ServiceMonitor scrapes)."""
     jobs = []
+    if operator_targets:
+        jobs.append({"job_name": "k3serve-operator", "scrape_interval": interval or "15s",
+                     "static_configs": operator_targets,
+                     "relabel_configs": [{"target_label": "job", "replacement": "k3serve-system/k3serve-operator"}]})
     for pm in (o for o in objects if o["kind"] == "PodMonitor"):
         spec = pm["spec"]
         sel = (spec.get("selector") or {}).get("matchLabels") or {}
@@ -355,6 +361,6 @@ def prometheus_config(objects: list[dict], pods: list[SimPod], namespace: str, i
                 # the operator's job label is NAMESPACE/PODMONITOR
                 "relabel_configs": [{"target_label": "job", "replacement": f"{namespace}/{pm['metadata']['name']}"}],
             })
-    if not jobs:
+    if not any(j["job_name"].startswith("podMonitor/") for j in jobs):
         raise SimulateError("no PodMonitor was rendered (spec.monitoring.podMonitor is false)")
     return json.dumps({"global": {"scrape_interval": interval or "15s"}, "scrape_configs": jobs}, indent=1)

@@ -54,7 +54,7 @@ def sample(name: str = "tiny-cpu.yaml") -> dict:
     return yaml.safe_load((ROOT / "manifests/samples" / name).read_text())
 
 
-def start_simulation(cr: dict, root: Path, *, model_dir: Path, prometheus: bool = False,
+def start_simulation(cr: dict, root: Path, *, model_dir: Path, prometheus: bool = False, operator: bool = True,
                      scrape_interval: str = "1s", timeout: float = 400) -> RunningSim:
     root.mkdir(parents=True, exist_ok=True)
     (root / "cr.yaml").write_text(yaml.safe_dump(cr))
@@ -70,6 +70,8 @@ def start_simulation(cr: dict, root: Path, *, model_dir: Path, prometheus: bool 
         cmd += ["--pvc", f"{pvc['claimName']}={claim}"]
     if prometheus:
         cmd += ["--prometheus", "--scrape-interval", scrape_interval]
+    if operator:  # the real operator reconciles the CR (API emulator) and reports the gateway URL
+        cmd += ["--operator"]
     env = dict(os.environ, PYTHONSAFEPATH="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []

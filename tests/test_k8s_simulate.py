@@ -4,7 +4,8 @@ PVC as files), in a private network namespace because the Mooncake master and it
 every readiness probe, and the official `openai` client drives status.gatewayURL: chat, stream, tools;
 greedy output equals the offline engine on the same checkpoint.
 
-Plan-level checks (no processes) come first: Service names, `$(VAR)` expansion, sandboxed mounts, the
+Both layouts run: colocated (prefill.replicas 0: decode pods with --role both) and the sample as
+shipped (1 prefill + 1 decode + store, P/D over NIXL). Plan-level checks (no processes) come first: Service names, `$(VAR)` expansion, sandboxed mounts, the
 router's discovery and the Prometheus targets.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import openai
@@ -38,13 +40,27 @@ WEATHER = {"type": "function", "function": {
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 
 
-def colocated_cr() -> dict:
-    """tiny-cpu.yaml with prefill.replicas 0 (decode pods run --role both), store and PodMonitor on."""
+def pd_cr() -> dict:
+    """tiny-cpu.yaml as shipped (1 prefill + 1 decode + the store) with the PodMonitor on, and a KV
+    cache small enough that tests/test_prometheus_dashboards.py can fill it."""
     cr = sample()
-    cr["spec"]["prefill"]["replicas"] = 0
     cr["spec"]["monitoring"]["podMonitor"] = True
     cr["spec"]["cache"]["maxModelLen"] = 1024
+    cr["spec"]["cache"]["kvCacheMemory"] = "4Mi"  # 27 pages of 64 tokens: concurrent load preempts
     return cr
+
+
+def colocated_cr() -> dict:
+    """The same with prefill.replicas 0: the decode pods run --role both and take whole requests."""
+    cr = pd_cr()
+    cr["spec"]["prefill"]["replicas"] = 0
+    return cr
+
+
+SCENARIOS = {
+    "colocated": (colocated_cr, ["tiny-decode-0", "tiny-router-sim0", "tiny-kvstore-sim0"]),
+    "pd": (pd_cr, ["tiny-prefill-0", "tiny-decode-0", "tiny-router-sim0", "tiny-kvstore-sim0"]),
+}
 
 
 # --- the plan ---------------------------------------------------------------------------------------
@@ -129,14 +145,16 @@ def test_expand_and_rewrite_follow_kubernetes():
 # --- the pods, running ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def colocated(request, tiny_model_dir):
-    return shared_simulation(request, "colocated", colocated_cr, tiny_model_dir, prometheus=True)
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def deployment(request, tiny_model_dir):
+    sim = shared_simulation(request, request.param, SCENARIOS[request.param][0], tiny_model_dir, prometheus=True)
+    sim.scenario = request.param
+    return sim
 
 
 @pytest.fixture(scope="module")
-def client(colocated):
-    return openai.OpenAI(base_url=colocated.gateway, api_key="none", max_retries=0, timeout=120)
+def client(deployment):
+    return openai.OpenAI(base_url=deployment.gateway, api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -156,17 +174,22 @@ def _offline_chat(llm, msgs, max_tokens, **kw) -> str:
     return out.text
 
 
-def test_every_rendered_pod_is_ready_and_the_gateway_is_status_gateway_url(colocated, client):
-    out = colocated.output()
-    assert colocated.status_gateway == "http://tiny-router.default.svc.cluster.local:8000/v1"
-    for pod in ("tiny-decode-0", "tiny-router-sim0", "tiny-kvstore-sim0"):
+def test_every_rendered_pod_is_ready_and_the_gateway_is_status_gateway_url(deployment, client):
+    out = deployment.output()
+    pods = SCENARIOS[deployment.scenario][1]
+    assert deployment.status_gateway == "http://tiny-router.default.svc.cluster.local:8000/v1"
+    for pod in pods:
         assert f"pod {pod} " in out, out
-    assert "pods=3" in out
-    # every pod ran what the renderer says, as a real process: the worker, the router and the master
-    assert "k3serve worker: ready" in colocated.log("tiny-decode-0")
-    assert "role=both model=k3-tiny" in colocated.log("tiny-decode-0")  # K3SERVE_SERVED_MODEL_NAME
-    assert "k3serve router: listening" in colocated.log("tiny-router-sim0")
-    assert "Master service started" in colocated.log("tiny-kvstore-sim0")
+    assert f"pods={len(pods)}" in out
+    # the operator, reconciling the same CR against the API emulator, reports it Ready with this URL
+    assert f"operator status phase=Ready readyPools={len(pods)}/{len(pods)}" in out, out
+    # every pod ran what the renderer says, as a real process: the workers, the router and the master
+    role = "both" if deployment.scenario == "colocated" else "decode"
+    assert f"role={role} model=k3-tiny" in deployment.log("tiny-decode-0")  # K3SERVE_SERVED_MODEL_NAME
+    if deployment.scenario == "pd":
+        assert "role=prefill model=k3-tiny" in deployment.log("tiny-prefill-0")
+    assert "k3serve router: listening" in deployment.log("tiny-router-sim0")
+    assert "Master service started" in deployment.log("tiny-kvstore-sim0")
     (card,) = client.models.list().data
     assert card.id == NAME
 
@@ -215,6 +238,24 @@ def test_completions_greedy_equals_offline_engine(client, offline):
     assert r.choices[0].text == ref.outputs[0].text
 
 
-def test_sample_file_is_what_the_simulation_ran(colocated):
-    ran = yaml.safe_load((colocated.root.parent / "cr.yaml").read_text())
-    assert ran == colocated_cr()
+def test_pd_requests_pull_their_prompt_state_from_the_prefill_pod(request, tiny_model_dir):
+    deployment = shared_simulation(request, "pd", pd_cr, tiny_model_dir, prometheus=True)
+    client = openai.OpenAI(base_url=deployment.gateway, api_key="none", max_retries=0, timeout=120)
+    long = [{"role": "user", "content": "Tell me about prefill and decode. " * 8}]
+    client.chat.completions.create(model=NAME, messages=long, max_tokens=2, temperature=0)
+    import httpx
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{deployment.prometheus}/api/v1/query",
+                      params={"query": 'sum(k3serve_kv_transfer_bytes_total{k3serve_io_role="decode"})'}).json()
+        result = r["data"]["result"]
+        if result and float(result[0]["value"][1]) > 0:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"no KV bytes moved to the decode pod: {r}")
+
+
+def test_sample_file_is_what_the_simulation_ran(deployment):
+    ran = yaml.safe_load((deployment.root.parent / "cr.yaml").read_text())
+    assert ran == SCENARIOS[deployment.scenario][0]()
