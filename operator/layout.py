@@ -323,4 +323,7 @@ def problems(name: str, spec: dict) -> list[str]:
         msg = rule.check(spec)
         if msg:
             out.append(msg)
+    from k3serve.operator.validation import pd_geometry_problems  # the workers' own P/D mapping check
+
+    out += [p for p in pd_geometry_problems(spec) if p not in out]
     return out

@@ -462,3 +462,13 @@ def test_offload_without_prefix_caching_is_refused():
     result = render(cr)
     assert result.objects == []
     assert any("spec.cache.offloadMemory (1Gi) needs spec.cache.prefixCaching" in p for p in result.problems)
+
+
+def test_pd_geometry_is_checked_with_the_workers_own_mapping():
+    cr = sample("tiny-cpu.yaml")
+    for pool, tp in (("prefill", 4), ("decode", 2)):
+        cr["spec"][pool].update(tensorParallelSize=tp, gpusPerNode=tp)
+    cr["spec"]["model"]["architecture"].update(kdaHeads=6, mlaHeads=8)
+    result = render(cr)
+    assert result.objects == []
+    assert "spec.prefill/spec.decode: prefill: tensor-parallel size 4 does not divide the 6 KDA heads" in result.problems
