@@ -164,6 +164,10 @@ def spec_schema() -> dict:
                 required=["name"],
             ),
             "resources": resource_requirements("Resources of each router pod."),
+            "env": env_list(
+                "Extra environment variables for the router container (with spec.model.uri the router "
+                "fetches the tokenizer and config too: HF_TOKEN, HF_ENDPOINT, AWS_*, ...)."
+            ),
         },
         default={},
     )

@@ -68,7 +68,10 @@ def merge_env(base: list[dict], extra: list[dict] | None) -> list[dict]:
     extra = extra or []
     names = {e["name"] for e in extra}
     return [e for e in base if e["name"] not in names] + [
-        {"name": e["name"], "value": e.get("value", "")} for e in extra
+        {"name": e["name"], "valueFrom": {"secretKeyRef": dict(e["valueFrom"]["secretKeyRef"])}}
+        if e.get("valueFrom")
+        else {"name": e["name"], "value": e.get("value", "")}
+        for e in extra
     ]
 
 

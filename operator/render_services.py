@@ -9,6 +9,7 @@ from k3serve.operator.render_pod import (
     container_security_context,
     downward_env,
     health_probes,
+    merge_env,
     pod_spec,
     writable_volumes,
 )
@@ -96,7 +97,7 @@ def render_router(ctx: Context) -> list[dict]:
             {"name": "http", "containerPort": n.ROUTER_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": n.METRICS_PORT, "protocol": "TCP"},
         ],
-        "env": env,
+        "env": merge_env(env, router.get("env")),
         "resources": {k: dict(v) for k, v in (router.get("resources") or {}).items() if v},
         "volumeMounts": mounts,
         "securityContext": container_security_context(),

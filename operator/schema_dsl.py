@@ -164,8 +164,27 @@ def env_list(description: str) -> dict:
             {
                 "name": string("Variable name.", pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"),
                 "value": string("Variable value."),
+                "valueFrom": obj(
+                    "The value from a key of a Secret in the deployment's namespace (credentials such as "
+                    "HF_TOKEN stay out of the CR).",
+                    {
+                        "secretKeyRef": obj(
+                            "Secret key.",
+                            {
+                                "name": string("Secret name.", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                                               max_length=253),
+                                "key": string("Key inside the Secret.", pattern=r"^[-._a-zA-Z0-9]+$"),
+                                "optional": boolean("Start without the variable when the key is missing."),
+                            },
+                            required=["name", "key"],
+                        )
+                    },
+                    required=["secretKeyRef"],
+                ),
             },
             required=["name"],
+            validations=[{"rule": "!(has(self.value) && has(self.valueFrom))",
+                          "message": "set value or valueFrom, not both"}],
         ),
         list_type="map",
         map_keys=["name"],

@@ -55,7 +55,7 @@ def sample(name: str = "tiny-cpu.yaml") -> dict:
 
 
 def start_simulation(cr: dict, root: Path, *, model_dir: Path, prometheus: bool = False, operator: bool = True,
-                     scrape_interval: str = "1s", timeout: float = 400) -> RunningSim:
+                     scrape_interval: str = "1s", timeout: float = 400, extra_args: list[str] = ()) -> RunningSim:
     root.mkdir(parents=True, exist_ok=True)
     (root / "cr.yaml").write_text(yaml.safe_dump(cr))
     cmd = [sys.executable, "-m", "k3serve.cli", "operator", "simulate", "-f", str(root / "cr.yaml"),
@@ -72,6 +72,7 @@ def start_simulation(cr: dict, root: Path, *, model_dir: Path, prometheus: bool 
         cmd += ["--prometheus", "--scrape-interval", scrape_interval]
     if operator:  # the real operator reconciles the CR (API emulator) and reports the gateway URL
         cmd += ["--operator"]
+    cmd += list(extra_args)
     env = dict(os.environ, PYTHONSAFEPATH="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []

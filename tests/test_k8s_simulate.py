@@ -259,3 +259,37 @@ def test_pd_requests_pull_their_prompt_state_from_the_prefill_pod(request, tiny_
 def test_sample_file_is_what_the_simulation_ran(deployment):
     ran = yaml.safe_load((deployment.root.parent / "cr.yaml").read_text())
     assert ran == SCENARIOS[deployment.scenario][0]()
+
+
+def test_pods_fetch_an_hf_model_uri_and_serve_it(tmp_path, tiny_model_dir, offline):
+    """spec.model.uri hf://ORG/NAME: every worker and router pod fetches the checkpoint through the Hub
+    HTTP API (a local server imitating it, HF_ENDPOINT from spec.<pool>.env / spec.router.env; the token
+    from a Secret) into its $K3SERVE_HOME, at spec.model.revision, and serves it."""
+    from ._k8s_sim import start_simulation
+    from ._model_sources import FakeSources
+
+    with FakeSources.from_dir(tiny_model_dir, repo="k3serve/tiny") as hub:
+        cr = colocated_cr()
+        cr["spec"]["kvStore"]["enabled"] = False  # the hub listens on this machine's loopback
+        cr["spec"]["model"] = {"uri": "hf://k3serve/tiny", "revision": "main", "name": NAME,
+                               "architecture": cr["spec"]["model"]["architecture"]}
+        env = [{"name": "HF_ENDPOINT", "value": hub.url},
+               {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+        cr["spec"]["decode"]["env"] = env
+        cr["spec"]["router"]["env"] = env
+        sim = start_simulation(cr, tmp_path, model_dir=tiny_model_dir, operator=False,
+                               extra_args=["--secret", "hf/token=hf_test_token"])
+        try:
+            client = openai.OpenAI(base_url=sim.gateway, api_key="none", max_retries=0, timeout=120)
+            kw = {"thinking": False}
+            r = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=6, temperature=0,
+                                               extra_body={"chat_template_kwargs": kw})
+            assert r.choices[0].message.content == _offline_chat(offline, MSGS, 6, chat_template_kwargs=kw)
+            for pod in ("tiny-decode-0", "tiny-router-sim0"):
+                assert "k3serve: fetching hf://k3serve/tiny@main" in sim.log(pod), sim.log(pod)
+                home = sim.root / "pods" / pod / "fs/var/cache/k3serve/models/hf/k3serve--tiny" / hub.sha
+                assert (home / ".k3serve-complete").is_file()
+            api = [q for q in hub.requests if q["path"].startswith("/api/models/")]
+            assert len(api) == 2 and all(q["headers"]["authorization"] == "Bearer hf_test_token" for q in api)
+        finally:
+            assert sim.stop() == 0, sim.output()[-3000:]

@@ -472,3 +472,27 @@ def test_pd_geometry_is_checked_with_the_workers_own_mapping():
     result = render(cr)
     assert result.objects == []
     assert "spec.prefill/spec.decode: prefill: tensor-parallel size 4 does not divide the 6 KDA heads" in result.problems
+
+
+def test_model_uri_credentials_come_from_secrets_for_workers_and_router():
+    cr = sample("tiny-cpu.yaml")
+    cr["spec"]["model"] = {"uri": "hf://org/tiny", "revision": "v1", "name": "k3-tiny",
+                           "architecture": cr["spec"]["model"]["architecture"]}
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    cr["spec"]["decode"]["env"] = [token, {"name": "HF_ENDPOINT", "value": "http://mirror:8080"}]
+    cr["spec"]["router"]["env"] = [token]
+    result = render(cr)
+    assert result.problems == []
+    for obj in result.objects:
+        assert validate.errors(obj) == [], obj["kind"]
+    objs = by_key(result.objects)
+    decode = objs[("StatefulSet", "tiny-decode")]["spec"]["template"]["spec"]["containers"][0]
+    router = objs[("Deployment", "tiny-router")]["spec"]["template"]["spec"]["containers"][0]
+    for c in (decode, router):
+        assert c["args"][c["args"].index("--model") + 1] == "hf://org/tiny"
+        assert token in c["env"]
+        assert all(m["mountPath"] != n.MODEL_DIR for m in c["volumeMounts"])  # no PVC with a URI
+    env = {e["name"]: e.get("value") for e in decode["env"]}
+    assert env["K3SERVE_MODEL_REVISION"] == "v1" and env["HF_ENDPOINT"] == "http://mirror:8080"
+    cr["spec"]["router"]["env"] = [{"name": "HF_TOKEN", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "y"}}}]
+    assert any("spec.router.env" in p for p in render(cr).problems)
