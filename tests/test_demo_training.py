@@ -14,7 +14,7 @@ from k3serve.workers.model.reference import ReferenceModel
 from k3serve.workers.model.testing import write_random_model
 from k3serve.workers.model.train import forward as F
 from k3serve.workers.model.train.bpe import count_pieces, train_bpe, write_k3_tokenizer
-from k3serve.workers.model.train.corpus import is_heldout
+from k3serve.workers.model.train.corpus import is_heldout, is_validation
 from k3serve.workers.model.train.run import main as train_main
 
 torch.set_num_threads(1)
@@ -98,7 +98,8 @@ def test_tiny_training_run_exports_a_loadable_checkpoint_and_resumes(tmp_path):
     lib = tmp_path / "lib"
     (lib / "pkg").mkdir(parents=True)
     held = [n for n in range(2000) if is_heldout(f"pkg/m{n}.py")][:2]
-    for n in [*range(10), *held]:
+    valid = [n for n in range(2000) if is_validation(f"pkg/m{n}.py")][:2]
+    for n in [*range(10), *held, *valid]:
         (lib / "pkg" / f"m{n}.py").write_text(TEXT.replace("add", f"add{n}") +
                                               f'\n\ndef f{n}(x):\n    """Return x plus {n}, as an int."""\n    return x + {n}\n')
     args = ["--stdlib", str(lib), "--device", "cpu", "--vocab", "300", "--seq", "32", "--batch", "2",
@@ -110,6 +111,8 @@ def test_tiny_training_run_exports_a_loadable_checkpoint_and_resumes(tmp_path):
     results = json.loads((model / "results.json").read_text())
     assert results["pretrain_steps"] == 4 and results["sft_steps"] == 2
     assert results["heldout_perplexity"] > 1 and len(results["chat"]) == 3
+    assert results["valid_files"] == 2 and results["heldout_files"] == 2
+    assert "val" in results["pretrain_final"]
     assert (model / "README.md").read_text().startswith("# k3-demo-stdlib")
     cfg, w = load_model_weights(model, dtype=torch.float64)
     assert cfg.experts_mxfp4 and cfg.num_nextn_predict_layers == 1 and cfg.vocab_size == 556

@@ -28,8 +28,9 @@ def model_card(results: dict) -> str:
         "",
         "## Data",
         f"* {r['files']} files, {r['text_mb']} MB, from `{r['stdlib']}`; split by a hash of the path: "
-        f"{r['train_files']} training files ({r['train_tokens']} tokens), {r['heldout_files']} held-out files "
-        f"({r['heldout_tokens']} tokens).",
+        f"{r['train_files']} training files ({r['train_tokens']} tokens), {r.get('valid_files', 0)} validation files "
+        f"(they pick the pretraining snapshot), {r['heldout_files']} held-out files ({r['heldout_tokens']} tokens, "
+        "read only by the evaluation below).",
         f"* Tokenizer: byte-level BPE trained on the training files, {r['vocab']} ids (incl. K3's 256 specials), "
         "tiktoken format (`tiktoken.model`, `tokenizer_config.json`).",
         f"* License: {LICENSE_NOTE}",
@@ -38,8 +39,11 @@ def model_card(results: dict) -> str:
         "",
         "## Training",
         f"* Pretraining: {r['pretrain_steps']} steps of {r['batch']}x{r['seq']} tokens, AdamW lr {r['lr']} "
-        f"(warm-up, cosine); final train loss {pf.get('loss')}, held-out batch loss {pf.get('held')}, "
+        f"(warm-up, cosine); final train loss {pf.get('loss')}, validation loss {pf.get('val')}, "
         f"MTP loss {pf.get('mtp')}; routed experts fake-quantized to MXFP4 at the end.",
+        *([f"* The validation loss rose at the end of pretraining: the step-{r['pretrain_restored']['step']} "
+           f"weights (validation {r['pretrain_restored']['val']}) were restored before the fine-tune."]
+          if r.get("pretrain_restored") else []),
         f"* Chat fine-tune: {r['sft_steps']} steps, lr {r['sft_lr']}; final assistant-token loss "
         f"{sf.get('sft_loss')}.",
         f"* KDA implementation used in training: {r['kda_impl']}; wall time {r.get('wall_seconds')} s.",

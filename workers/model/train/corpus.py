@@ -1,11 +1,12 @@
 """The demo model's training text: the Python standard library's own sources, split by file.
 
     files = stdlib_files()                     # [(relative path, text)], sorted, site-packages excluded
-    train, heldout = split_files(files)        # held-out: ~3% of files, chosen by a hash of the path
+    train, valid, heldout = split_files(files)  # ~3% held out, ~2% validation, by a hash of the path
     funcs = extract_functions(text)            # short functions with their header and docstring
 
 The split depends only on each file's path (crc32 of the relative path), so it is the same on every
-machine whatever the file order, and a file is never in both parts.
+machine whatever the file order, and a file is in exactly one part. The validation files pick the
+pretraining snapshot (lowest validation loss); the held-out files are only read by the final evaluation.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import zlib
 from dataclasses import dataclass
 
 HELDOUT_PER_MILLE = 30
+VALID_PER_MILLE = 20
 MAX_FILE_BYTES = 400_000
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -52,10 +54,16 @@ def is_heldout(relpath: str) -> bool:
     return zlib.crc32(relpath.encode()) % 1000 < HELDOUT_PER_MILLE
 
 
-def split_files(files: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    train = [f for f in files if not is_heldout(f[0])]
+def is_validation(relpath: str) -> bool:
+    return HELDOUT_PER_MILLE <= zlib.crc32(relpath.encode()) % 1000 < HELDOUT_PER_MILLE + VALID_PER_MILLE
+
+
+def split_files(files: list[tuple[str, str]]):
+    """(train, validation, held-out) lists of (relative path, text)."""
     held = [f for f in files if is_heldout(f[0])]
-    return train, held
+    valid = [f for f in files if is_validation(f[0])]
+    train = [f for f in files if not is_heldout(f[0]) and not is_validation(f[0])]
+    return train, valid, held
 
 
 @dataclass

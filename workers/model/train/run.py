@@ -312,12 +312,13 @@ def main(argv=None) -> int:  # noqa: C901
     # 1. text
     root = args.stdlib or stdlib_dir()
     files = stdlib_files(root)
-    train_files, held_files = split_files(files)
+    train_files, valid_files, held_files = split_files(files)
     nbytes = sum(len(t.encode()) for _, t in files)
     if not train_files or not held_files:
         raise SystemExit(f"train_demo_model: {root} gives {len(train_files)} training and {len(held_files)} "
                          "held-out files; both must be non-empty")
-    log(f"text: {root}: {len(files)} files, {nbytes / 1e6:.1f} MB; train {len(train_files)}, held-out {len(held_files)}")
+    log(f"text: {root}: {len(files)} files, {nbytes / 1e6:.1f} MB; train {len(train_files)}, "
+        f"validation {len(valid_files)}, held-out {len(held_files)}")
 
     # 2. tokenizer
     model_dir = out / MODEL_NAME
@@ -341,6 +342,7 @@ def main(argv=None) -> int:  # noqa: C901
 
     t = time.time()
     train_tok, held_tok = stream(train_files), stream(held_files)
+    valid_tok = stream(valid_files) if valid_files else held_tok[:0]
     log(f"tokens: train {train_tok.numel()}, held-out {held_tok.numel()} "
         f"({nbytes / (train_tok.numel() + held_tok.numel()):.2f} bytes/token) in {time.time() - t:.1f}s")
 
@@ -377,7 +379,10 @@ def main(argv=None) -> int:  # noqa: C901
     if held_tok.numel() < args.seq + 3:
         raise SystemExit(f"train_demo_model: the held-out files give {held_tok.numel()} tokens, fewer than "
                          f"--seq + 3 = {args.seq + 3}")
-    held_fixed = held_tok[: (held_tok.numel() - 1) // args.seq * args.seq + 1]
+    nval = min(32, (valid_tok.numel() - 1) // args.seq)
+    val_windows = (valid_tok[torch.arange(nval, device=dev)[:, None] * args.seq
+                             + torch.arange(args.seq + 1, device=dev)[None, :]] if nval else None)
+    best: dict = {}  # the lowest-validation-loss pretraining snapshot (in memory only)
     last_save = time.time()
 
     def checkpoint():
@@ -421,17 +426,31 @@ def main(argv=None) -> int:  # noqa: C901
             update_bias(w, cfg, counts, args.bias_rate)
             meta["step"] = step + 1
             if step % 100 == 0 or step + 1 == total:
-                with torch.no_grad():
-                    hl, hm = lm_loss(batch_windows(held_fixed, 16, args.seq), F.Options(kda=kda, fake_quant=qat))
-                rec = {"step": step, "loss": round(float(loss.detach()), 4), "mtp": round(float(mloss.detach()), 4) if mloss is not None else None,
-                       "held": round(float(hl), 4), "held_mtp": round(float(hm), 4) if hm is not None else None,
+                rec = {"step": step, "loss": round(float(loss.detach()), 4),
+                       "mtp": round(float(mloss.detach()), 4) if mloss is not None else None,
                        "gnorm": round(float(gn), 3), "qat": qat}
+                if val_windows is not None:
+                    with torch.no_grad():
+                        vl, vm = lm_loss(val_windows, F.Options(kda=kda, fake_quant=qat))
+                    rec.update(val=round(float(vl), 4), val_mtp=round(float(vm), 4) if vm is not None else None)
+                    if float(vl) < best.get("val", float("inf")):
+                        best = {"val": float(vl), "step": step + 1,
+                                "w": {k: t.detach().clone() for k, t in w.items()}}
                 meta["history"].append(rec)
                 log(f"pretrain {json.dumps(rec)}")
             if time.time() - last_save > args.save_every:
                 checkpoint()
-        meta["phase"] = "sft"
         meta["pretrain_final"] = meta["history"][-1] if meta["history"] else None
+        last_val = (meta["pretrain_final"] or {}).get("val")
+        if best and last_val is not None and best["val"] < last_val - 0.01:
+            with torch.no_grad():
+                for k, t in w.items():
+                    t.copy_(best["w"][k])
+            meta["pretrain_restored"] = {"step": best["step"], "val": round(best["val"], 4)}
+            log(f"pretrain: validation loss rose to {last_val}; restored the step-{best['step']} weights "
+                f"(validation {best['val']:.4f})")
+        best.clear()
+        meta["phase"] = "sft"
         checkpoint()
 
     # 5. chat fine-tune
@@ -500,7 +519,8 @@ def main(argv=None) -> int:  # noqa: C901
     ecfg, ew = load_model_weights(model_dir, dtype=torch.float32, device=dev)
     eo = F.Options(kda=kda)
     results: dict = {"name": MODEL_NAME, "stdlib": root, "files": len(files), "train_files": len(train_files),
-                     "heldout_files": len(held_files), "text_mb": round(nbytes / 1e6, 2),
+                     "heldout_files": len(held_files), "valid_files": len(valid_files),
+                     "pretrain_restored": meta.get("pretrain_restored"), "text_mb": round(nbytes / 1e6, 2),
                      "train_tokens": train_tok.numel(), "heldout_tokens": held_tok.numel(), "vocab": vocab_total,
                      "parameters": nparams, "size_bytes": size, "kda_impl": kda, "seq": args.seq,
                      "batch": args.batch, "pretrain_steps": meta["step"], "sft_steps": meta["sft_step"],
