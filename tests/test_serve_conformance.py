@@ -276,3 +276,15 @@ def test_a_worker_whose_engine_cannot_serve_any_more_exits_nonzero(tiny_model_di
     out = proc.stdout.read()
     assert codes[:4] == ["INTERNAL"] * 4 and rc == 1, (codes, rc, out)
     assert "the engine failed" in out
+
+
+def test_a_tokenizer_panic_is_a_400(env):
+    """The fallback behind the whitespace bound: a native tokenizer failure (tiktoken's Rust panic, a
+    BaseException) becomes a ProtocolError naming the field."""
+    from k3serve.openai_api.protocol import ProtocolError
+    from k3serve.workers.serving.context import tokenize_guarded
+
+    with pytest.raises(ProtocolError) as ei:
+        tokenize_guarded(lambda: env.tok.encode(" " * 1_000_000), "messages.0.name")
+    assert ei.value.status_code == 400 and ei.value.param == "messages.0.name"
+    assert "tokenizer cannot split" in ei.value.message

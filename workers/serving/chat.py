@@ -9,11 +9,12 @@ from k3serve.chat.renderer import render_chat
 from k3serve.openai_api import protocol as P
 from k3serve.openai_api.chat_output import ChatOutputBuilder
 from k3serve.openai_api.deltas import DeltaTracker
-from k3serve.workers.serving.context import ServingContext, respond, tokenize_guarded
+from k3serve.workers.serving.context import ServingContext, check_whitespace_runs, respond, tokenize_guarded
 
 
 def render_request(tokenizer, req: P.ChatCompletionRequest):
     """The request's prompt (RenderedPrompt); renderer and tokenizer rejections become 400s."""
+    check_whitespace_runs([req.plain_messages(), req.render_kwargs()], "messages")
     return tokenize_guarded(lambda: render_chat(tokenizer, req.plain_messages(), **req.render_kwargs()), "messages")
 
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,30 @@ from k3serve.workers.async_engine import AsyncEngine, EngineDeadError, RequestFa
 
 log = logging.getLogger(__name__)
 _NOT_CAUGHT = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
+# tiktoken's regex gives up (a Rust panic) on whitespace runs of about a million characters; longer runs
+# than this are refused before any tokenizer sees them (no legitimate prompt holds one)
+MAX_WHITESPACE_RUN = 200_000
+_WHITESPACE = re.compile(r"\s+")  # maximal runs: one linear scan (a bounded repeat would be quadratic)
+
+
+def _strings(obj):
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _strings(v)
+
+
+def check_whitespace_runs(obj, param: str) -> None:
+    """400 naming `param` if any string in `obj` has a whitespace run longer than MAX_WHITESPACE_RUN."""
+    for text in _strings(obj):
+        if len(text) > MAX_WHITESPACE_RUN and any(m.end() - m.start() > MAX_WHITESPACE_RUN
+                                                  for m in _WHITESPACE.finditer(text)):
+            raise P.ProtocolError(f"{param}: a run of more than {MAX_WHITESPACE_RUN} whitespace characters is not "
+                                  "accepted; shorten or break it up", param=param)
 
 
 def tokenize_guarded(fn: Callable, param: str | None):
@@ -98,6 +123,7 @@ class ServingContext:
     def encode(self, text: str, param: str) -> list[int]:
         """Token ids of a prompt text: bounded by the context first, tokenizer failures as 400s."""
         self.check_text_fits(len(text), param)
+        check_whitespace_runs(text, param)
         return tokenize_guarded(lambda: self.tokenizer.encode(text), param)
 
     def check_model(self, model: str) -> None:
