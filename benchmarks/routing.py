@@ -106,6 +106,7 @@ def main() -> int:
     ap.add_argument("--worker-arg", action="append", default=[],
                     help="extra worker flag (repeatable), e.g. --worker-arg=--prefix-cache-selective-retention")
     ap.add_argument("--vllm-router", action="store_true")
+    ap.add_argument("--vllm-policies", default="round_robin,cache_aware,kv_aware")
     ap.add_argument("--vllm-router-bin", default=os.environ.get("VLLM_ROUTER_BIN"))
     ap.add_argument("--kv-event-block-size", type=int, default=240, help="the engines' block size (tiny: 240)")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -127,7 +128,7 @@ def main() -> int:
             murls.append(m.group(2))
         print(f"{a.workers} workers up; workload: {a.sessions} sessions x {a.turns} turns, concurrency "
               f"{a.concurrency}, shared prefix {a.shared_prefix_len} words", flush=True)
-        for policy in a.policies.split(","):
+        for policy in [p for p in a.policies.split(",") if p]:
             r, m = _start([*PY, "router", "--model", model, "--workers", ",".join(addrs), "--port", "0",
                            "--metrics-port", "0", "--policy", policy, "--served-model-name", "m",
                            "--log-level", "warning"], f"{tmp}/router-{policy}.log", r"listening on (http://\S+)")
@@ -188,20 +189,21 @@ def _vllm_router(a, model, tmp) -> dict:
             zmq_ep = f"tcp://127.0.0.1:{free()}"
             p, m = _start([*PY, "serve", model, "--port", "0", "--enable-prefix-caching", "--num-threads", "1",
                            "--max-model-len", "4096", "--served-model-name", "m", "--log-level", "warning",
-                           "--kv-events-zmq", zmq_ep], f"{tmp}/serve-{i}.log", r"listening on (http://\S+)")
+                           "--kv-events-zmq", zmq_ep, "--kv-events-zmq-format", "map"], f"{tmp}/serve-{i}.log",
+                          r"listening on (http://\S+)")
             servers.append(p)
             urls.append(m.group(1))
             murls.append(m.group(1))
             zmqs.append(zmq_ep)
         block = a.kv_event_block_size
-        for policy in ("round_robin", "cache_aware", "kv_aware"):
+        for policy in a.vllm_policies.split(","):
             port, prom = free(), free()
             cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *urls,
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
             if policy == "kv_aware":
                 for u, z in zip(urls, zmqs):
                     cmd += ["--kv-event-source", f"{u}={z}"]
-                cmd += ["--kv-event-block-size", str(block)]
+                cmd += ["--kv-event-block-size", str(block), "--kv-event-model", "m"]
             log = f"{tmp}/vllm-router-{policy}.log"
             try:
                 r, _ = _start(cmd, log, r"(?i)(listening|started|running|serving)", timeout=60)

@@ -113,3 +113,21 @@ def test_block_stored_events_carry_the_router_hashes(server, tiny_model_dir):
     assert [s for s, _ in got][:1] == [0]
     assert got[0][1][1][0] == ["AllBlocksCleared"]  # the publisher's own snapshot comes first
     assert {h for _, b in got for e in b[1] if e[0] == "BlockStored" for h in e[1]} >= set(expected[:3])
+
+
+def test_map_format_is_the_tagged_map_vllm_router_decodes():
+    from types import SimpleNamespace
+
+    from k3serve.workers.kv_events_zmq import as_format, vllm_events
+
+    ev = SimpleNamespace(kind="stored", block_hash=b"h" * 32, parent_hash=None, group_id=0, group_kind="mla",
+                         num_tokens=32, block_size=16)
+    kda = SimpleNamespace(**{**vars(ev), "group_kind": "kda"})
+    mid = SimpleNamespace(**{**vars(ev), "num_tokens": 24})
+    assert vllm_events([ev, kda, mid]) == [["BlockStored", [b"h" * 32], None, [], 16, None, "GPU"]]
+    (m,) = vllm_events([ev], "map")
+    assert m["type"] == "BlockStored" and m["block_hashes"] == [b"h" * 32] and m["block_size"] == 16
+    assert m["parent_block_hash"] is None and m["token_ids"] == [] and "lora_name" in m
+    assert as_format(["AllBlocksCleared"], "map") == {"type": "AllBlocksCleared"}
+    gone = SimpleNamespace(**{**vars(ev), "kind": "removed"})
+    assert vllm_events([gone], "map") == [{"type": "BlockRemoved", "block_hashes": [b"h" * 32], "medium": "GPU"}]

@@ -41,7 +41,7 @@ class EngineConfigError(SystemExit):
 # flag of `serve` and `worker` is either generated or listed here, so this is the one list of them.
 _ZMQ = {  # KV events in vLLM's ZMQ format: a publisher of the process (workers/kv_events_zmq.py)
     "--kv-events-zmq": "publish KV events over ZMQ", "--kv-events-zmq-replay": "the ZMQ replay endpoint",
-    "--kv-events-zmq-topic": "the ZMQ topic",
+    "--kv-events-zmq-topic": "the ZMQ topic", "--kv-events-zmq-format": "tagged arrays or tagged maps",
 }
 HAND_WRITTEN: dict[str, dict[str, str]] = {
     "serve": {

@@ -8,7 +8,9 @@ Wire format (what vLLM's `ZmqEventPublisher` sends, so its subscribers parse it 
   default empty), `seq` an 8-byte big-endian signed counter from 0, `payload` msgpack of a
   `KVEventBatch` in msgspec's array form: `[ts, [event, ...], data_parallel_rank]`.
 * events are tagged arrays: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+  lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`; with
+  `--kv-events-zmq-format map` internally tagged maps instead (`{"type": "BlockStored", "block_hashes": ...}`),
+  the form vllm-router 0.1.17's kv_aware subscriber decodes.
 * optional replay (ROUTER) socket: a client sends `seq` (8 bytes big-endian) and gets every buffered batch
   from it as `[identity, b"", seq, payload]`, then the end marker `[identity, b"", -1, b""]`.
 
@@ -37,9 +39,16 @@ log = logging.getLogger(__name__)
 MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache tier
 
 
-def vllm_events(events, block_size_hint: int | None = None) -> list[list]:
-    """k3serve KVEvent-like objects (fields of k3serve/kv_events/types.py) -> vLLM tagged event arrays."""
-    out: list[list] = []
+_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+           "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
+FORMATS = ("array", "map")
+
+
+def vllm_events(events, fmt: str = "array") -> list:
+    """k3serve KVEvent-like objects (fields of k3serve/kv_events/types.py) -> vLLM events: tagged arrays
+    (`fmt="array"`, msgspec's array_like form) or internally tagged maps (`fmt="map"`, {"type": ..., field: ...},
+    the form vllm-router 0.1.17 decodes)."""
+    out: list = []
     for ev in events:
         if ev.group_kind != "mla" or not ev.block_size or ev.num_tokens % ev.block_size:
             continue
@@ -49,6 +58,17 @@ def vllm_events(events, block_size_hint: int | None = None) -> list[list]:
             out.append(["BlockStored", [h], parent, [], int(ev.block_size), None, MEDIUM])
         else:
             out.append(["BlockRemoved", [h], MEDIUM])
+    return [as_format(e, fmt) for e in out]
+
+
+def as_format(event: list, fmt: str):
+    if fmt == "array":
+        return event
+    if fmt != "map":
+        raise ValueError(f"KV event format must be one of {FORMATS}, got {fmt!r}")
+    out = {"type": event[0], **dict(zip(_FIELDS[event[0]], event[1:]))}
+    if event[0] == "BlockStored":
+        out.update(lora_name=None, extra_keys=None)  # newer vLLM fields (no LoRA, no multimodal keys)
     return out
 
 
@@ -60,7 +80,7 @@ class ZmqKvEventPublisher:
     """Runs on its own thread and event loop; consumes a KvEventHub subscription (workers/kv_events.py)."""
 
     def __init__(self, async_engine, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, hub=None, dp_rank: int | None = None):
+                 buffer_steps: int = 10_000, hub=None, dp_rank: int | None = None, fmt: str = "array"):
         from k3serve.workers.kv_events import KvEventHub
 
         self.engine = async_engine
@@ -68,6 +88,8 @@ class ZmqKvEventPublisher:
         self.hub = hub or KvEventHub(async_engine)
         self._own_hub = hub is None
         self.dp_rank = dp_rank
+        as_format(["AllBlocksCleared"], fmt)  # validates
+        self.fmt = fmt
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self.seq = 0
         self.published_events = 0
@@ -151,9 +173,9 @@ class ZmqKvEventPublisher:
             try:
                 while True:
                     batch = await sub.get()
-                    events = vllm_events(batch.events)
+                    events = vllm_events(batch.events, self.fmt)
                     if batch.snapshot:
-                        events = [["AllBlocksCleared"], *events]
+                        events = [as_format(["AllBlocksCleared"], self.fmt), *events]
                     if events:
                         await self._send(pub, events)
             except SubscriberTooSlow:
@@ -180,8 +202,9 @@ class ZmqKvEventPublisher:
 
 
 def start_zmq_publisher(async_engine, endpoint: str, *, replay_endpoint: str | None = None, hub=None,
-                        topic: str = "") -> ZmqKvEventPublisher:
-    return ZmqKvEventPublisher(async_engine, endpoint, replay_endpoint=replay_endpoint, hub=hub, topic=topic).start()
+                        topic: str = "", fmt: str = "array") -> ZmqKvEventPublisher:
+    return ZmqKvEventPublisher(async_engine, endpoint, replay_endpoint=replay_endpoint, hub=hub, topic=topic,
+                               fmt=fmt).start()
 
 
 def add_zmq_args(parser) -> None:
@@ -191,3 +214,5 @@ def add_zmq_args(parser) -> None:
     parser.add_argument("--kv-events-zmq-replay", default=None, metavar="ENDPOINT",
                         help="replay (ROUTER) endpoint for --kv-events-zmq")
     parser.add_argument("--kv-events-zmq-topic", default="", metavar="TOPIC", help="topic frame of every message")
+    parser.add_argument("--kv-events-zmq-format", default="array", choices=FORMATS,
+                        help="events as msgspec tagged arrays (vLLM) or tagged maps (vllm-router 0.1.17)")

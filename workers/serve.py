@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         from k3serve.workers.kv_events_zmq import start_zmq_publisher
 
         zmq_pub = start_zmq_publisher(served.async_engine, args.kv_events_zmq, replay_endpoint=args.kv_events_zmq_replay,
-                                      topic=args.kv_events_zmq_topic)
+                                      topic=args.kv_events_zmq_topic, fmt=args.kv_events_zmq_format)
     app = build_app(served.async_engine, served_model_names=served.model_names, registry=served.registry,
                     api_key=api_key)
     host, port = sock.getsockname()[:2]

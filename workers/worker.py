@@ -139,7 +139,7 @@ async def _serve(args: argparse.Namespace, msock) -> int:
         from k3serve.workers.kv_events_zmq import start_zmq_publisher
 
         zmq_pub = start_zmq_publisher(engine, args.kv_events_zmq, replay_endpoint=args.kv_events_zmq_replay,
-                                      topic=args.kv_events_zmq_topic)
+                                      topic=args.kv_events_zmq_topic, fmt=args.kv_events_zmq_format)
     mhost, mport = msock.getsockname()[:2]
     print(f"k3serve worker: ready grpc={args.host}:{grpc_server.port} metrics=http://{mhost}:{mport} "
           f"role={args.role} model={served.model_names[0]}", flush=True)
