@@ -293,3 +293,36 @@ def test_pods_fetch_an_hf_model_uri_and_serve_it(tmp_path, tiny_model_dir, offli
             assert len(api) == 2 and all(q["headers"]["authorization"] == "Bearer hf_test_token" for q in api)
         finally:
             assert sim.stop() == 0, sim.output()[-3000:]
+
+
+def test_the_tiny_model_job_writes_the_checkpoint_the_sample_serves(tmp_path, tiny_model_dir):
+    """manifests/samples/tiny-model-pvc.yaml: strictly valid objects, the pod contract's hardening, and
+    its Job's args (run here with /models in a folder) write the very checkpoint the tests serve."""
+    import os
+    import subprocess
+    import sys
+
+    from k3serve.operator.testing import validate
+
+    from ._k8s_sim import ROOT
+
+    docs = list(yaml.safe_load_all((ROOT / "manifests/samples/tiny-model-pvc.yaml").read_text()))
+    for doc in docs:
+        doc["metadata"]["namespace"] = "demo"
+        assert validate.errors(doc) == [], doc["kind"]
+    pvc, job = docs
+    claim = sample()["spec"]["model"]["pvc"]
+    assert pvc["metadata"]["name"] == claim["claimName"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["fsGroup"] == 1000
+    (c,) = pod["containers"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "model")
+    args = [a.replace(mount, str(tmp_path)) for a in c["args"]]
+    assert f"{mount}{claim['path']}" in c["args"]  # it writes where tiny-cpu.yaml reads
+    subprocess.run([sys.executable, "-m", "k3serve.cli", *args], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"})
+    out = tmp_path / claim["path"].lstrip("/")
+    for f in tiny_model_dir.iterdir():
+        if f.is_file():
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
