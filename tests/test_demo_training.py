@@ -143,3 +143,19 @@ def test_default_serving_model_is_the_demo_model_when_the_checkout_has_it(tmp_pa
     (tmp_path / "k3-demo-stdlib" / "config.json").write_text("{}")
     assert paths.default_serving_model() == tmp_path / "k3-demo-stdlib"
     assert paths.DEMO_MODEL_DIR.name == "k3-demo-stdlib"
+
+
+def test_chat_acceptance_check_fails_the_random_tiny_model(tiny_model_dir):
+    """The check the demo model must pass (workers/model/train/acceptance.py) does reject a model with random
+    weights: its answers never leave the thinking channel, so `content` stays empty and nothing finishes."""
+    from k3serve.workers.model.train.acceptance import chat_acceptance, chat_problems
+
+    result = chat_acceptance(tiny_model_dir, max_tokens=24)
+    assert result["write"]["tokens"] == 24 and result["write"]["finish_reason"] == "length"
+    problems = chat_problems(result)
+    assert any(p.startswith("write: empty content") for p in problems)
+    assert any("finish_reason 'length'" in p for p in problems)
+    assert any(p.startswith("lookup: no tool call") for p in problems)
+    good = {"write": {"content": "```python\nx\n```", "reasoning": None, "finish_reason": "stop"},
+            "lookup": {"content": None, "tool_calls": [{"name": "search_docs", "arguments": '{"query": "q"}'}]}}
+    assert chat_problems(good) == []
