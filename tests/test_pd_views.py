@@ -141,3 +141,57 @@ def test_benchmark_runs_and_prints_its_table():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("tiny")]
     assert [r[2] for r in rows] == ["scattered", "contiguous"] and all(float(r[8]) > 0 for r in rows)
+
+
+_NETWORK_MODE = r'''
+import multiprocessing as mp, os, sys
+import numpy as np, torch
+from k3serve.workers.kv_transfer.agent import TransferAgent
+from tests.test_pd_workers import _listening_sockets
+
+def child(conn):
+    t = torch.arange(256, dtype=torch.uint8).repeat(64)
+    a = TransferAgent("net-src", devices="lo")
+    a.register([(t.data_ptr(), t.nbytes)])
+    conn.send((a.metadata(), t.data_ptr(), os.getpid()))
+    conn.recv()  # blocked: only NIXL's progress thread serves the READ
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    p, c = ctx.Pipe()
+    pr = ctx.Process(target=child, args=(c,))
+    pr.start()
+    md, base, cpid = p.recv()
+    d = torch.zeros(16384, dtype=torch.uint8)
+    a = TransferAgent("net-dst", devices="lo")
+    a.register([(d.data_ptr(), d.nbytes)])
+    peer = a.add_peer(md)
+    lh = a.prep_local(np.array([[d.data_ptr(), d.nbytes, 0]], dtype=np.uint64))
+    rh = a.prep_remote(peer, np.array([[base, d.nbytes, 0]], dtype=np.uint64))
+    x = a.read(lh, [0], rh, [0])
+    while (s := x.poll()) == "PROC":
+        pass
+    assert s == "DONE" and torch.equal(d, torch.arange(256, dtype=torch.uint8).repeat(64))
+    assert "UCX_TLS" not in os.environ and os.environ["UCX_NET_DEVICES"] == "lo"
+    socks = _listening_sockets(cpid) + _listening_sockets(os.getpid())
+    assert socks and all(addr in ("0100007F", "0000000000000000FFFF00000100007F") for _, addr in socks), socks
+    p.send("done")
+    pr.join()
+    print("network mode ok")
+'''
+
+
+def test_network_mode_over_lo_binds_loopback_only(tmp_path):
+    """--kv-transfer-devices lo: UCX over TCP on the loopback device (no UCX_TLS), the target served by
+    NIXL's progress thread while its main thread is blocked, every socket on 127.0.0.1."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "net_mode.py"
+    script.write_text(_NETWORK_MODE)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    env.pop("UCX_TLS", None)
+    proc = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "network mode ok" in proc.stdout, proc.stdout + proc.stderr

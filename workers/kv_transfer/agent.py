@@ -12,8 +12,9 @@
 
 Environment (nixl-on-cpu.md): in local mode `UCX_TLS=self,sm` (shared memory and CMA only, no sockets)
 or, when a transfer network device is given, `UCX_NET_DEVICES=<devices>`; always `UCX_MEM_EVENTS=no`
-(backend start 410 → 15 ms); NIXL's progress thread off (it halves throughput on small machines);
-NIXL's own metadata listener never enabled (it binds every interface).
+(backend start 410 → 15 ms); NIXL's progress thread off in local mode (it halves throughput on small
+machines; shared-memory reads need no target progress) and on with network devices (a TCP/RDMA READ is
+served by the target's progress); NIXL's own metadata listener never enabled (it binds every interface).
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ class TransferAgent:
         apply_ucx_environment(devices)
         nixl_agent, nixl_agent_config = import_nixl()
         self.name = name
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+        # Shared memory (CMA) reads are one-sided; over a network transport the target must progress its
+        # UCX worker to serve a READ, so network mode runs NIXL's progress thread (pods have the cores).
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=bool(devices), enable_listen_thread=False,
                                                         backends=[]))
         opts = {"ucx_error_handling_mode": "none"} if not devices else {}
         opts.update(backend_options or {})
