@@ -1,18 +1,28 @@
 """Partial-block reconciliation (design doc k3-model-and-cache.md §4.2) in the scheduler, with a
 scripted connector and no model: a local hit ending mid-block vs a longer or shorter tier hit, an
-aligned local hit with a tier hit ending mid-block, an over-long tier hit, "ask again later"."""
+aligned local hit with a tier hit ending mid-block, an over-long tier hit, "ask again later", and the composition of tiers with a transfer connector."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from k3serve.sampling_params import SamplingParams
 from k3serve.workers.engine.cache_layout import plan_cache_layout
 from k3serve.workers.engine.kv_cache.block_pool import BlockPool
 from k3serve.workers.engine.kv_cache.coordinator import KVCacheCoordinator
-from k3serve.workers.engine.kv_connector.base import ConnectorContext, KVConnectorScheduler, MatchResult
+from k3serve.workers.engine.kv_connector.base import (
+    ConnectorContext,
+    ConnectorKind,
+    KVConnector,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    LoadSpec,
+    MatchResult,
+)
+from k3serve.workers.engine.kv_connector.composite import compose
 from k3serve.workers.engine.request import Request, RequestStatus
 from k3serve.workers.engine.scheduler import Scheduler
 
@@ -159,3 +169,33 @@ def _hash(kv, toks, p):
     r = _req("h", toks + [0])
     kv.update_hashes(r)
     return kv._hash_at(r, p)
+
+
+def test_composition_longest_tier_wins_ties_to_the_cheaper_transfer_decides_alone():
+    s, kv, pool, _ = _setup()
+    ctx = ConnectorContext(kv.layout, U, b"\0" * 32, "cpu", "t", True)
+
+    def tier(name, kind=ConnectorKind.TIER):
+        c = Scripted(ctx)
+        c.name, c.kind = name, kind
+        return KVConnector(c, KVConnectorWorker(ctx))
+
+    host, store, pd = tier("host"), tier("store"), tier("pd", ConnectorKind.TRANSFER)
+    comp = compose(ctx, [host, store, pd])
+    assert [c.name for c in comp.scheduler.children] == ["pd", "host", "store"]
+    b = _req("b", list(range(1, 31)))
+    kv.update_hashes(b)
+
+    def choose(offers):
+        for conn, n in zip((host, store, pd), offers):
+            conn.scheduler.offer["b"] = n
+        m = comp.scheduler.get_num_new_matched_tokens(b, 0)
+        comp.scheduler.update_state_after_alloc(b, LoadSpec("b", kv.block_ids(b), 0, m.num_tokens or 0, False))
+        return m.num_tokens, [c.scheduler.specs["b"].num_external_tokens for c in (host, store, pd)]
+
+    assert choose([8, 12, 0]) == (12, [0, 12, 0])  # the longest tier hit wins
+    assert choose([12, 12, 0]) == (12, [12, 0, 0])  # a tie goes to the earlier (cheaper) tier
+    assert choose([12, 16, 4]) == (4, [0, 0, 4])  # the transfer connector supplies the prompt alone
+    assert choose([12, 16, None]) == (None, [0, 0, 0])  # ... or asks to be asked later
+    with pytest.raises(ValueError, match="at most one transfer"):
+        compose(ctx, [pd, tier("pd2", ConnectorKind.TRANSFER)])
