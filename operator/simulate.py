@@ -130,7 +130,7 @@ class Simulation:
             del backoff[f"{pod.name}:due"]
             self.start_pod(pod)
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, on_tick=None) -> None:
         deadline = time.monotonic() + timeout
         pending = {p.name: p for p in self.pods if p.ready_url}
         while pending:
@@ -145,6 +145,8 @@ class Simulation:
                             del pending[name]
                 except (urllib.error.URLError, OSError):
                     pass
+            if on_tick is not None:
+                on_tick()
             if pending and time.monotonic() > deadline:
                 tails = "\n".join(self.log_tail(p) for p in sorted(pending))
                 raise SimulateError(f"not ready after {timeout:.0f} s: {', '.join(sorted(pending))}\n{tails}")
@@ -158,8 +160,11 @@ class Simulation:
         deadline = time.monotonic() + timeout
         for router in (p for p in self.pods if p.component == "router"):
             argv = router.argv
-            want = sum(len(argv[i + 1].split(",")) for i, a in enumerate(argv)
-                       if a in ("--workers", "--prefill-workers", "--decode-workers"))
+            if "kubernetes" in argv:  # discovered from the API: every worker pod (single-node groups)
+                want = sum(1 for p in self.pods if "grpc" in p.ports)
+            else:
+                want = sum(len(argv[i + 1].split(",")) for i, a in enumerate(argv)
+                           if a in ("--workers", "--prefill-workers", "--decode-workers"))
             url = f"http://{router.ip}:{router.ports['metrics']}/metrics"
             while True:
                 try:
@@ -266,7 +271,8 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def build(cr: dict, *, root: Path, namespace: str | None = None, claims: dict[str, str] | None = None,
-          secrets: dict[str, dict[str, str]] | None = None, log=print, ip_base=None) -> Simulation:
+          secrets: dict[str, dict[str, str]] | None = None, log=print, ip_base=None,
+          kubeconfig: str | None = None) -> Simulation:
     """Render `cr` and plan its pods (nothing started)."""
     meta = cr.setdefault("metadata", {})
     meta["namespace"] = namespace or meta.get("namespace") or "default"
@@ -286,7 +292,7 @@ def build(cr: dict, *, root: Path, namespace: str | None = None, claims: dict[st
                 "(the API key clients send)")
     inputs = Inputs(namespace=meta["namespace"], cluster_domain=options.cluster_domain, secrets=secrets,
                     claims=claims)
-    pods = plan(rendered.objects, inputs, root, ip_base or IP_BASE)
+    pods = plan(rendered.objects, inputs, root, ip_base or IP_BASE, kubeconfig)
     url = gateway_url(rendered, meta["name"], meta["namespace"], {}, options)
     sim = Simulation(pods=pods, root=root, gateway_url=url)
     sim.objects = rendered.objects  # type: ignore[attr-defined]
@@ -405,8 +411,9 @@ def run(args: argparse.Namespace) -> int:
             raise SimulateError(f"{args.filename}: not a KimiK3Deployment")
         root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="k3serve-simulate-"))
         root.mkdir(parents=True, exist_ok=True)
+        kubeconfig = str(root / "kubeconfig") if args.operator else None
         sim = build(cr, root=root, namespace=args.namespace, claims=_parse_pvc(args.pvc),
-                    secrets=_parse_secret(args.secret))
+                    secrets=_parse_secret(args.secret), kubeconfig=kubeconfig)
     except (OSError, yaml.YAMLError, SimulateError) as e:
         print(f"k3serve operator simulate: {e}", file=sys.stderr)
         return 2
@@ -419,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             sim = build(cr, root=root, namespace=args.namespace, claims=_parse_pvc(args.pvc),
                         secrets=sim.secrets, log=lambda *_a, **_k: None,
-                        ip_base=free_ip_base(len(sim.pods)))
+                        ip_base=free_ip_base(len(sim.pods)), kubeconfig=kubeconfig)
         except SimulateError as e:
             print(f"k3serve operator simulate: {e}", file=sys.stderr)
             return 2
@@ -433,14 +440,15 @@ def run(args: argparse.Namespace) -> int:
         prom_sock = _bind(args.prometheus_listen) if (private and args.prometheus) else None
         if private:
             _enter_private_netns()
-        sim.materialize()
-        sim.start()
-        sim.wait_ready(args.timeout)
-        sim.wait_gateway(60)
-        if args.operator:  # the operator's own status: phase Ready and status.gatewayURL
+        if args.operator:  # the API emulator and the operator first: the router discovers pods there
             cluster = SimulatedCluster(sim.cr, sim.pods, root)
             cleanup.append(cluster.stop)
             cluster.start()
+        sim.materialize()
+        sim.start()
+        sim.wait_ready(args.timeout, on_tick=cluster.sync if cluster else None)
+        sim.wait_gateway(60)
+        if cluster is not None:  # the operator's own status: phase Ready and status.gatewayURL
             status = cluster.wait_ready(args.timeout)
             if status.get("configHash") != sim.config_hash:
                 raise SimulateError(f"the operator's configHash {status.get('configHash')} is not the simulated "

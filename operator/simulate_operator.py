@@ -2,8 +2,9 @@
 
 Starts the Kubernetes API emulator (operator/testing/emulator.py; needs the test extras: kmock), runs
 `k3serve operator run` against it (kopf, for real), applies the CR, and plays the controllers and the
-kubelet: every StatefulSet's and Deployment's `status.readyReplicas` is the number of its simulated
-pods whose readiness probe passes right now. The deployment's status (phase, readyPools, gatewayURL,
+kubelet: every simulated pod is a Pod object (labels, ports, podIP, the Ready condition from its
+readiness probe) — the router's `--discovery kubernetes` reads them — and every StatefulSet's and
+Deployment's `status.readyReplicas` is the number of its pods whose readiness probe passes now. The deployment's status (phase, readyPools, gatewayURL,
 configHash) is then the operator's own answer, read back from the API. The operator's /metrics is a
 Prometheus target like the pods (namespace k3serve-system, as the chart installs it).
 """
@@ -41,6 +42,7 @@ class SimulatedCluster:
         self.emulator = None
         self.proc: subprocess.Popen | None = None
         self.metrics_port = 0
+        self._published: dict[str, str] = {}
 
     # --- API calls ---------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: dict | None = None, ctype: str = "application/json"):
@@ -73,9 +75,33 @@ class SimulatedCluster:
         body.setdefault("kind", crd.KIND)
         self._request("POST", self._cr_path().rsplit("/", 1)[0], body)
 
+    def _publish_pods(self, ready: dict[str, bool]) -> None:
+        """The kubelet's part: each simulated pod as a Pod object (labels, ports, podIP, Ready)."""
+        base = f"/api/v1/namespaces/{self.namespace}/pods"
+        for pod in self.pods:
+            cond = "True" if ready[pod.name] else "False"
+            if self._published.get(pod.name) == cond:
+                continue
+            status = {"phase": "Running", "podIP": pod.ip, "hostIP": "127.0.0.1",
+                      "conditions": [{"type": "Ready", "status": cond}]}
+            if pod.name not in self._published:
+                c = pod.container
+                body = {"apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": pod.name, "namespace": self.namespace, "labels": pod.labels},
+                        "spec": {"containers": [{"name": c["name"], "image": c.get("image", ""),
+                                                 "ports": c.get("ports") or []}]},
+                        "status": status}
+                self._request("POST", base, body)
+            else:
+                self._request("PATCH", f"{base}/{pod.name}/status", {"status": status},
+                              "application/merge-patch+json")
+            self._published[pod.name] = cond
+
     def sync(self) -> None:
-        """The controllers' part: workload status from the simulated pods' readiness."""
+        """The kubelet's and the controllers' part: Pods and workload status from the simulated pods'
+        readiness probes."""
         ready = {p.name: _probe(p) for p in self.pods}
+        self._publish_pods(ready)
         for kind, resource in WORKLOADS.items():
             for obj in self.emulator.objects(resource, self.namespace):
                 name = obj["metadata"]["name"]

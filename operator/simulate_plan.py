@@ -19,7 +19,8 @@ Deployment, the process Kubernetes would start in its container:
 
 What is not simulated: scheduling, resources (a CPU request becomes OMP_NUM_THREADS), NetworkPolicies,
 PodDisruptionBudgets, RBAC, LeaderWorkerSets (multi-node groups), the router's `--discovery kubernetes`
-(replaced by static discovery of the pods its selectors match, which is what it would discover).
+(replaced by static discovery of the pods its selectors match, which is what it would discover;
+with `--operator` the router discovers the pods for real, from the API emulator).
 """
 
 from __future__ import annotations
@@ -202,8 +203,13 @@ def rewrite_paths(value: str, mounts: list[tuple[str, str]], sandbox: Path) -> s
     return value
 
 
-def plan(objects: list[dict], inputs: Inputs, root: Path, ip_base: ipaddress.IPv4Address = IP_BASE) -> list[SimPod]:
-    """Every pod with its argv, env, files and readiness URL (root: the simulation's folder)."""
+def plan(objects: list[dict], inputs: Inputs, root: Path, ip_base: ipaddress.IPv4Address = IP_BASE,
+         kubeconfig: str | None = None) -> list[SimPod]:
+    """Every pod with its argv, env, files and readiness URL (root: the simulation's folder).
+
+    With `kubeconfig` (an API server that holds the simulated Pods: `simulate --operator`) the router
+    keeps its `--discovery kubernetes` and reads the pods from there; otherwise its selectors become
+    static discovery of the pods they match."""
     for obj in objects:
         if obj["kind"] == "ConfigMap":
             inputs.config_maps[obj["metadata"]["name"]] = dict(obj.get("data") or {})
@@ -211,7 +217,12 @@ def plan(objects: list[dict], inputs: Inputs, root: Path, ip_base: ipaddress.IPv
     routes = service_routes(objects, pods, inputs.namespace, inputs.cluster_domain)
     for pod in pods:
         _plan_pod(pod, inputs, routes, root / "pods" / pod.name)
-    _static_discovery(pods)
+    if kubeconfig is None:
+        _static_discovery(pods)
+    else:
+        for pod in pods:
+            if "--discovery" in pod.argv:
+                pod.env["KUBECONFIG"] = kubeconfig
     return pods
 
 

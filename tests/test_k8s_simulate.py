@@ -188,7 +188,12 @@ def test_every_rendered_pod_is_ready_and_the_gateway_is_status_gateway_url(deplo
     assert f"role={role} model=k3-tiny" in deployment.log("tiny-decode-0")  # K3SERVE_SERVED_MODEL_NAME
     if deployment.scenario == "pd":
         assert "role=prefill model=k3-tiny" in deployment.log("tiny-prefill-0")
-    assert "k3serve router: listening" in deployment.log("tiny-router-sim0")
+    router_log = deployment.log("tiny-router-sim0")
+    assert "k3serve router: listening" in router_log
+    # --discovery kubernetes as rendered: the router found the workers as Pods in the API (emulator)
+    assert f"127.100.0.1:50051 ({role}) added" in router_log, router_log[-2000:]
+    if deployment.scenario == "pd":
+        assert "127.100.0.2:50051 (prefill) added" in router_log
     assert "Master service started" in deployment.log("tiny-kvstore-sim0")
     (card,) = client.models.list().data
     assert card.id == NAME
