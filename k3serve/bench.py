@@ -158,8 +158,9 @@ async def _one(client, base_url: str, model: str, req: Req, headers: dict, timeo
                 for ch in chunk.get("choices") or []:
                     d = ch.get("delta") or {}
                     piece = ch.get("text") if "text" in ch else (d.get("content") or d.get("reasoning_content") or "")
-                    if not piece and not d.get("tool_calls"):
-                        continue  # the role chunk or a finish-only chunk: no token
+                    if not piece and not d.get("tool_calls") and "text" not in ch:
+                        continue  # chat: the role chunk or a finish-only chunk (completions: a special token
+                        # skipped from the text still arrives as a chunk)
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - t0
@@ -172,7 +173,7 @@ async def _one(client, base_url: str, model: str, req: Req, headers: dict, timeo
         return res
     res.e2e = time.perf_counter() - t0
     res.text = "".join(parts)
-    res.ok = last is not None
+    res.ok = last is not None or res.output_tokens > 0
     if not res.ok:
         res.error = "no output"
     return res
