@@ -195,3 +195,23 @@ def test_network_mode_over_lo_binds_loopback_only(tmp_path):
     env.pop("UCX_TLS", None)
     proc = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "network mode ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_registered_host_pages_move_onto_huge_pages_in_place():
+    """TransferAgent.register collapses the page tensors onto transparent huge pages (contents kept);
+    where the kernel allows it (THP not 'never', Linux >= 6.1), the aligned interior really is collapsed."""
+    import os
+    import platform
+
+    from k3serve.workers.kv_transfer.agent import back_with_huge_pages
+
+    t = torch.randint(0, 256, (9 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    before = t.clone()
+    done = back_with_huge_pages([(t.data_ptr(), t.nbytes)])
+    assert torch.equal(t, before)
+    assert done % (2 << 20) == 0 and done <= t.nbytes
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    if "[never]" not in mode and (major, minor) >= (6, 1):
+        assert done >= 6 << 20  # at least the 2 MiB-aligned interior minus the two partial ends

@@ -61,6 +61,36 @@ def apply_ucx_environment(devices: str | None) -> dict[str, str]:
     return env
 
 
+_HUGE = 2 << 20
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
+
+
+def back_with_huge_pages(regions: list[tuple[int, int]]) -> int:
+    """Move the 2 MiB-aligned interior of each (address, nbytes) host region onto transparent huge pages
+    in place (madvise MADV_HUGEPAGE + MADV_COLLAPSE, Linux >= 6.1; contents kept). Same-host reads go
+    through process_vm_readv, which walks the pages of both sides: on 4 KiB pages a 16 MiB READ ran at
+    ~2-5 GB/s here, on huge pages at ~18 GB/s. Returns the bytes collapsed (0 where the kernel refuses,
+    which only costs speed)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return 0
+    done = 0
+    for addr, n in regions:
+        lo = (addr + _HUGE - 1) // _HUGE * _HUGE
+        hi = (addr + n) // _HUGE * _HUGE
+        if hi <= lo:
+            continue
+        ok = libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+        if ok and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_COLLAPSE) == 0:
+            done += hi - lo
+        else:
+            log.debug("huge pages for %#x+%d refused (errno %d)", lo, hi - lo, ctypes.get_errno())
+    return done
+
+
 class TransferError(RuntimeError):
     """A transfer could not be started or failed (the caller recomputes)."""
 
@@ -105,11 +135,14 @@ class TransferAgent:
         self.agent.create_backend("UCX", opts)
         self._regs = []
         self._peers: set[str] = set()
+        self.huge_bytes = 0  # bytes of the registered host memory moved onto huge pages
 
     # -- memory -------------------------------------------------------------------------------
     def register(self, regions: list[tuple[int, int]], mem: str = "DRAM") -> None:
         """Register (address, nbytes) regions: the page tensors (one per layer position)."""
         descs = [(int(a), int(n), 0, "") for a, n in regions]
+        if mem == "DRAM":
+            self.huge_bytes = back_with_huge_pages([(int(a), int(n)) for a, n in regions])
         self._regs.append(self.agent.register_memory(descs, mem))
 
     def metadata(self) -> bytes:
