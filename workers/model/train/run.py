@@ -392,22 +392,32 @@ def main(argv=None) -> int:  # noqa: C901
         last_save = time.time()
 
     # 4. pretraining
-    reserve = args.sft_seconds + 60  # time kept for the fine-tune, export and evaluation (s)
+    eval_reserve = 50.0  # time kept for export and evaluation (s)
+    reserve = args.sft_seconds + eval_reserve + 10  # ... and for the fine-tune
+
+    def left() -> float:
+        """Seconds to the --deadline (inf without one), measured on the wall clock of this process: a
+        slow first step (Triton compiling FLA's kernels) shortens training instead of overrunning it."""
+        return math.inf if args.deadline is None else args.deadline - (time.time() - t_start)
+
     if meta["phase"] == "pretrain":
         t_phase = time.time()
         t_calib = None
+        first = meta["step"]  # this process's first step (compiles happen there)
         while True:
             step = meta["step"]
             total = meta["total"] or args.pretrain_steps
             if total is not None and step >= total:
                 break
+            if left() < reserve and step > first and step + 1 != meta["total"]:
+                log(f"pretrain: deadline reached at step {step} ({left():.0f}s left); this step is the last")
+                meta["total"] = step + 1
+            t_step = time.time()
             if step == 10:
                 t_calib = time.time()
             if step == 40 and meta["total"] is None:
                 per = (time.time() - t_calib) / 30
-                budget = args.pretrain_seconds - (time.time() - t_phase)
-                if args.deadline is not None:
-                    budget = min(budget, args.deadline - (time.time() - t_start) - reserve)
+                budget = min(args.pretrain_seconds - (time.time() - t_phase), left() - reserve)
                 meta["total"] = args.pretrain_steps or max(50, step + int(budget / per))
                 log(f"pretrain: {per * 1000:.1f} ms/step -> {meta['total']} steps "
                     f"({args.batch}x{args.seq} tokens per step)")
@@ -425,6 +435,11 @@ def main(argv=None) -> int:  # noqa: C901
             opt.step()
             update_bias(w, cfg, counts, args.bias_rate)
             meta["step"] = step + 1
+            if step == first:
+                if dev.startswith("cuda"):
+                    torch.cuda.synchronize()
+                log(f"pretrain: first step {time.time() - t_step:.1f}s (compiles included), "
+                    f"{left():.0f}s to the deadline")
             if step % 100 == 0 or step + 1 == total:
                 rec = {"step": step, "loss": round(float(loss.detach()), 4),
                        "mtp": round(float(mloss.detach()), 4) if mloss is not None else None,
@@ -466,31 +481,46 @@ def main(argv=None) -> int:  # noqa: C901
         pad = tok.pad_token_id
         for gparam in opt.param_groups:
             gparam["weight_decay"] = 0.0 if gparam["weight_decay"] == 0.0 else args.wd
-        t_sft = time.time()
+        L = args.sft_max_tokens + 1  # one shape for every step (no recompiles): chat rows and text rows
+        if train_tok.numel() < L + 2:
+            raise SystemExit(f"train_demo_model: {train_tok.numel()} training tokens, fewer than "
+                             f"--sft-max-tokens + 3 = {L + 2}")
+        t_phase, s_first = time.time(), meta["sft_step"]
+        t_sft = t_phase
         sft_total = meta.get("sft_total") or args.sft_steps
         while meta["sft_step"] < sft_total and examples:
             s = meta["sft_step"]
-            if s == 10 and not meta.get("sft_total"):
+            if s == s_first + 2:
+                t_sft = time.time()  # the first two steps compile; time the next ten
+            if s == s_first + 12 and not meta.get("sft_total"):
                 per = (time.time() - t_sft) / 10
-                sft_total = meta["sft_total"] = min(args.sft_steps, max(20, int(args.sft_seconds / per)))
+                budget = min(args.sft_seconds - (time.time() - t_phase), left() - eval_reserve)
+                sft_total = meta["sft_total"] = min(args.sft_steps, max(s + 1, s + int(budget / per)))
                 log(f"sft: {per * 1000:.1f} ms/step -> {sft_total} steps")
+            if left() < eval_reserve and s > s_first and s + 1 != sft_total:
+                log(f"sft: deadline reached at step {s} ({left():.0f}s left); this step is the last")
+                sft_total = meta["sft_total"] = s + 1
             for gparam in opt.param_groups:
                 gparam["lr"] = args.sft_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / sft_total)))
             picked = [examples[rng.randrange(len(examples))] for _ in range(args.sft_batch)]
-            L = args.sft_max_tokens  # one shape for every step (no recompiles)
-            ids_t = torch.full((len(picked), L), pad, dtype=torch.long)
-            mask_t = torch.zeros((len(picked), L), dtype=torch.float32)
+            Bs = len(picked)
+            ids_t = torch.full((Bs, L), pad, dtype=torch.long)
+            mask_t = torch.zeros((Bs, L), dtype=torch.float32)
             for r, (x, m) in enumerate(picked):
                 ids_t[r, : len(x)] = torch.tensor(x)
                 mask_t[r, : len(m)] = torch.tensor(m, dtype=torch.float32)
-            ids_t, mask_t = ids_t.to(dev), mask_t.to(dev)
+            # the text rows (pretraining windows of the same length) ride in the same forward pass
+            ids_t = torch.cat([ids_t.to(dev), batch_windows(train_tok, max(1, args.batch // 4), L - 1)])
+            mask_t = mask_t.to(dev)
             counts = {}
             of = F.Options(kda=kda, fake_quant=True, counts=counts)
             h = F.hidden_states(with_tied(w, cfg), cfg, ids_t[:, :-1], of)
-            sft_loss = F.cross_entropy(F.lm_logits(with_tied(w, cfg), cfg, h), ids_t[:, 1:], mask_t[:, 1:])
+            logits = F.lm_logits(with_tied(w, cfg), cfg, h)
+            sft_loss = F.cross_entropy(logits[:Bs], ids_t[:Bs, 1:], mask_t[:, 1:])
+            loss = F.cross_entropy(logits[Bs:], ids_t[Bs:, 1:])
             ml, _ = F.mtp_hidden(with_tied(w, cfg), cfg, 0, h[:, :-1].detach(), ids_t[:, 1:-1], of)
-            sft_mtp = F.cross_entropy(ml, ids_t[:, 2:], mask_t[:, 2:])
-            loss, mloss = lm_loss(batch_windows(train_tok, max(1, args.batch // 4), args.seq), of)
+            sft_mtp = F.cross_entropy(ml[:Bs], ids_t[:Bs, 2:], mask_t[:, 2:])
+            mloss = F.cross_entropy(ml[Bs:], ids_t[Bs:, 2:])
             total_loss = sft_loss + args.mtp_weight * sft_mtp + 0.5 * (loss + args.mtp_weight * mloss)
             opt.zero_grad(set_to_none=True)
             total_loss.backward()
