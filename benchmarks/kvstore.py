@@ -11,8 +11,8 @@ k3serve/kvstore/netns.py) with a real `mooncake_master` on loopback.
   caches), `local` (the same engine after serving the prefix), `host tier` (the device pool holds one
   request, the prefix was evicted to `--kv-offload-memory`), `store` (a fresh engine with empty local
   caches; the prefix was computed by another worker process and saved to the store). Each engine
-  first serves a 16-token warm-up prompt. `hit tokens` and `bytes/hit` are what the tier supplied and
-  moved for that request. `vs cold` = cold TTFT / row TTFT. The store deadline is 1 s here
+  first serves a 16-token warm-up prompt. `device hit` / `tier hit`: prompt tokens found in the device
+  cache / supplied by the row's tier; `bytes/hit`: what the tier moved for that request. `vs cold` = cold TTFT / row TTFT. The store deadline is 1 s here
   (`DEADLINE_MS`) so a loaded machine measures the load rather than a skipped lookup.
 * Throughput, for the `tiny` layout and `k3-rank` (K3's per-rank state at TP8: 12 KDA heads x 128,
   conv kernel 4, bf16 conv + fp32 state, MLA 512+64 in bf16, block 768; 6 KDA + 2 MLA layers): the
@@ -182,7 +182,7 @@ def ttft_rows(address: str, prefix: int, reps: int) -> list:
     rows = []
     cold, local, host, store = [], [], [], []
     b_host = b_store = 0.0
-    hits = {"cold": 0.0, "local": 0.0, "host tier": 0.0, "store": 0.0}
+    hits = {"cold": (0.0, 0.0), "local": (0.0, 0.0), "host tier": (0.0, 0.0), "store": (0.0, 0.0)}  # device, tier
     ctx = mp.get_context("spawn")
     for _rep in range(reps):
         X = [rng.randrange(1, 500) for _ in range(prefix)]
@@ -192,7 +192,7 @@ def ttft_rows(address: str, prefix: int, reps: int) -> list:
         cold.append(_ttft(llm, prompt_with(X)))
         before = _stat(llm, "prefix_cache_hits")
         local.append(_ttft(llm, prompt_with(X)))
-        hits["local"] = _stat(llm, "prefix_cache_hits") - before
+        hits["local"] = (_stat(llm, "prefix_cache_hits") - before, 0.0)
         _shutdown(llm)
         # host tier: a device pool for about one request, so serving Y evicts X to host memory
         probe = llm.engine
@@ -203,9 +203,10 @@ def ttft_rows(address: str, prefix: int, reps: int) -> list:
         for _ in range(2):  # unrelated prompts of the same size: every page of X is evicted to the host
             _ttft(llm, prompt_with([rng.randrange(1, 500) for _ in range(prefix)]))
         before, hb = _stat(llm, "kv_offload_loaded_bytes"), _stat(llm, "kv_offload_hit_tokens")
+        hd = _stat(llm, "prefix_cache_hits")
         host.append(_ttft(llm, prompt_with(X)))
         b_host = _stat(llm, "kv_offload_loaded_bytes") - before
-        hits["host tier"] = _stat(llm, "kv_offload_hit_tokens") - hb
+        hits["host tier"] = (_stat(llm, "prefix_cache_hits") - hd, _stat(llm, "kv_offload_hit_tokens") - hb)
         _shutdown(llm)
         # store: another worker process computes X, this fresh engine loads it
         parent, child = ctx.Pipe()
@@ -216,9 +217,10 @@ def ttft_rows(address: str, prefix: int, reps: int) -> list:
         svc = _store_service(llm)
         svc.wait_available(15)
         _ttft(llm, [rng.randrange(1, 500) for _ in range(16)])  # the same warm-up as the cold engine
+        hd = _stat(llm, "prefix_cache_hits")
         store.append(_ttft(llm, prompt_with(X)))
         b_store = _stat(llm, "kv_store_bytes_got")
-        hits["store"] = _stat(llm, "kv_store_hit_tokens")
+        hits["store"] = (_stat(llm, "prefix_cache_hits") - hd, _stat(llm, "kv_store_hit_tokens"))
         _shutdown(llm)
         parent.send("done")
         proc.join(60)
@@ -226,7 +228,8 @@ def ttft_rows(address: str, prefix: int, reps: int) -> list:
     for name, ts, b in (("cold", cold, 0), ("local", local, 0), ("host tier", host, b_host),
                         ("store", store, b_store)):
         t = statistics.median(ts)
-        rows.append(["tiny", prefix, name, int(hits[name]), round(t * 1e3, 1), int(b), round(c / t, 2)])
+        rows.append(["tiny", prefix, name, int(hits[name][0]), int(hits[name][1]), round(t * 1e3, 1), int(b),
+                     round(c / t, 2)])
     return rows
 
 
@@ -255,7 +258,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("GLOG_minloglevel", "2")
     with tempfile.TemporaryDirectory() as tmp, MooncakeMaster(log_path=os.path.join(tmp, "master.log")) as m:
         rows = ttft_rows(m.address, args.prefix, args.reps)
-        print_table(["config", "prefix", "served from", "hit tokens", "TTFT ms", "bytes/hit", "vs cold"], rows)
+        print_table(["config", "prefix", "served from", "device hit", "tier hit", "TTFT ms", "bytes/hit", "vs cold"],
+                    rows)
         trows = [throughput(m.address, name, args.prefix, max(3, args.reps)) for name in ("tiny", "k3-rank")]
         print_table(["layout", "tokens", "objects", "object B", "total B", "put ms", "get ms", "get GiB/s",
                      "memcpy ms", "memcpy GiB/s", "ratio"], trows)
