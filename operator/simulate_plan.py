@@ -3,7 +3,8 @@
 From the objects a CR renders (operator/render.py) this computes, per pod of every StatefulSet and
 Deployment, the process Kubernetes would start in its container:
 
-* pod IPs are loopback addresses (127.100.0.N, one per pod, so every pod keeps its contract ports);
+* pod IPs are loopback addresses (127.100.0.N, one per pod, so every pod keeps its contract ports),
+  and a pod's network interface is `lo` (`--kv-transfer-devices` names it);
 * Service names (`SVC.NS.svc.DOMAIN`, `SVC.NS.svc`, `SVC.NS`, headless `POD.SVC.NS.svc.DOMAIN`) in
   `args` and `env` become the IP of a ready pod behind them, and a Service port its target port;
 * every volume mount is a folder of the pod's sandbox (`ROOT/pods/POD/<mountPath>`): emptyDirs empty,
@@ -250,6 +251,8 @@ def _plan_pod(pod: SimPod, inputs: Inputs, routes: dict[str, ServiceRoute], sand
     if c.get("command"):
         argv[0] = str(Path(sys.executable).parent / argv[0]) if "/" not in argv[0] else argv[0]
     argv += [rewrite_paths(rewrite_hosts(expand(str(a), env), routes), mounts, sandbox) for a in c.get("args") or []]
+    if "--kv-transfer-devices" in argv:  # a simulated pod's only network interface is loopback
+        argv[argv.index("--kv-transfer-devices") + 1] = "lo"
     pod.argv, pod.env = argv, env
     probe = (c.get("readinessProbe") or {}).get("httpGet")
     if probe:

@@ -434,7 +434,10 @@ def test_engine_tier_fields_render_into_the_worker_flags():
     cr["spec"]["kvStore"]["enabled"] = False
     args = _worker_args(render(cr).objects, "decode")
     assert "--kv-transfer-devices" not in args and "--kv-store-deadline-ms" not in args
-    args = _worker_args(render(sample("tiny-cpu.yaml")).objects, "decode")
+    cr = sample("tiny-cpu.yaml")
+    for pool in ("prefill", "decode"):
+        cr["spec"][pool].pop("transferDevices")
+    args = _worker_args(render(cr).objects, "decode")
     assert not {"--kv-offload-memory", "--kv-store-deadline-ms", "--kv-transfer-devices"} & set(args)
 
 
