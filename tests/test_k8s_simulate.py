@@ -331,3 +331,30 @@ def test_the_tiny_model_job_writes_the_checkpoint_the_sample_serves(tmp_path, ti
     for f in tiny_model_dir.iterdir():
         if f.is_file():
             assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--pvc", "k3-tiny-model"], "--pvc 'k3-tiny-model': expected CLAIM=DIR"),
+        (["--pvc", "k3-tiny-model=/nonexistent/dir"], "/nonexistent/dir is not a directory"),
+        (["--secret", "nokey=1"], "--secret 'nokey=1': expected NAME/KEY=VALUE"),
+    ],
+)
+def test_simulate_bad_input_is_one_line_and_exit_2(tmp_path, extra, needle):
+    import os
+    import subprocess
+    import sys
+
+    from ._k8s_sim import ROOT
+
+    cmd = [sys.executable, "-m", "k3serve.cli", "operator", "simulate", "-f",
+           str(ROOT / "manifests/samples/tiny-cpu.yaml"), "--root", str(tmp_path), *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ,
+                                                                              "PYTHONSAFEPATH": "1"})
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: k3serve.io/v1alpha1\nkind: KimiK3Deployment\nmetadata: {name: x}\nspec: {}\n")
+    r = subprocess.run(cmd[:6] + [str(bad)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert r.returncode == 2 and "the CR cannot be served" in r.stderr and "spec" in r.stderr, r.stderr
