@@ -13,11 +13,17 @@ import fnmatch
 import importlib.metadata
 import io
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import time
 import tomllib
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
@@ -269,3 +275,73 @@ def test_image_name_matches_the_operator_default():
     assert f"docker build -t {repo}:{tag} ." in docs
     assert f"docker build -f Dockerfile.cuda -t {repo}:{tag}-cuda ." in docs
     assert f"docker push {repo}:{tag}" in docs
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root (a private mount namespace)")
+def test_worker_runs_on_a_read_only_root_with_the_image_environment(tmp_path, tiny_model_dir):
+    """What readOnlyRootFilesystem means for the image: in a private mount namespace this machine's root
+    is bind-mounted read-only, /tmp and /var/cache (the pods' emptyDirs) are tmpfs, the checkpoint is a
+    read-only mount, and `k3serve worker` runs there with the image's ENV (PATH pointing at this venv
+    instead of /opt/k3serve): it loads, serves /health and generates with every other path read-only."""
+    env = dict(_final_env(IMAGES["cpu"]))
+    # the python base image's PATH follows ours (the parser expands the Dockerfile's $PATH to nothing)
+    env["PATH"] = env["PATH"].replace(f"{VENV}/bin", str(Path(sys.executable).parent)).rstrip(":")
+    env["PATH"] += ":/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    env["K3SERVE_SERVED_MODEL_NAME"] = "k3-tiny"
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    port = _free_port()
+    script = f"""
+set -e
+R={shlex.quote(str(tmp_path / "root"))}
+mkdir -p "$R"
+mount --rbind / "$R"
+mount -o remount,bind,ro "$R"
+mount --bind {shlex.quote(str(tiny_model_dir))} "$R/srv"
+mount -o remount,bind,ro "$R/srv"
+mount -t tmpfs tmpfs "$R/tmp"
+mount -t tmpfs tmpfs "$R/var/cache"
+if touch "$R/usr/k3serve-probe" 2>/dev/null; then echo "root is writable"; exit 3; fi
+exec chroot "$R" /usr/bin/env -i {exports} sh -c 'mkdir -p /var/cache/k3serve && cd /var/cache/k3serve && \
+  exec python -m k3serve.cli worker --model /srv --grpc-port 0 --metrics-port {port} --num-threads 1 \
+  --max-model-len 256 --log-level warning'
+"""
+    proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines, ready = [], None
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and ready is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            ready = re.search(r"ready grpc=(\S+) metrics=(\S+) role=both model=k3-tiny", line)
+        assert ready, "".join(lines)
+        assert httpx.get(ready.group(2) + "/health", timeout=10).status_code == 200
+        import grpc
+
+        from k3serve.proto import worker_pb2 as pb
+        from k3serve.proto import worker_pb2_grpc as pb_grpc
+        from k3serve.proto.convert import sampling_to_proto
+
+        with grpc.insecure_channel(ready.group(1)) as ch:
+            resps = list(pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(
+                request_id="ro-1", prompt_token_ids=[5, 17, 42],
+                sampling_params=sampling_to_proto(dict(temperature=0.0, max_tokens=3, ignore_eos=True))),
+                timeout=60))
+        assert sum(len(o.token_ids) for r in resps for o in r.outputs) == 3
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
