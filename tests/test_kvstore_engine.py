@@ -234,7 +234,8 @@ def test_segment_holder_dies_others_recompute(master, tiny_model_dir, reference)
             prompt = X + _tokens(rng, 9)
             t0 = time.monotonic()
             assert _gen(b, prompt) == reference(prompt)
-            assert time.monotonic() - t0 < 2.0
+            # bounded: at most a lookup and a load deadline on the store, plus the recompute itself
+            assert time.monotonic() - t0 < 2 * DEADLINE_MS / 1000 + 5.0
             st = b.engine.stats()
             assert st["kv_store_hit_tokens"] == 0  # nothing was loaded: the request recomputed
             assert st["kv_store_loads_failed"] + st["kv_store_lookups_skipped"] >= 1
