@@ -246,10 +246,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="a 1024-token prefix, one repetition")
+    ap.add_argument("--quick", action="store_true", help="a 256-token prefix, one repetition")
     args = ap.parse_args(argv)
     if args.quick:
-        args.prefix, args.reps = 1024, 1
+        args.prefix, args.reps = 256, 1
 
     from k3serve.kvstore.master import MooncakeMaster
     from k3serve.kvstore.netns import enter_private_netns
