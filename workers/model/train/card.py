@@ -22,9 +22,14 @@ def model_card(results: dict) -> str:
         "Attention Residuals (block 2), LatentMoE (16 routed experts, top-2, latent 96, MXFP4, one shared",
         "expert), SiTU, tied embeddings, plus one MTP drafter layer. Hidden size 192. Config: `config.json`.",
         "",
-        "Reproduce: `python scripts/train_demo_model.py --out DIR --pretrain-steps "
-        f"{r['pretrain_steps']} --sft-steps {r['sft_steps']}` on a GPU (FLA's `chunk_kda` when installed, "
-        "else a chunked PyTorch KDA), or `bash scripts/train_demo_model_device.sh` on the lent H200.",
+        f"Reproduce: `python scripts/train_demo_model.py --out DIR --batch {r['batch']} --seq {r['seq']} "
+        f"--pretrain-steps {r['pretrain_steps']} --sft-steps {r['sft_steps']}` on a GPU (FLA's `chunk_kda` when "
+        "installed, else a chunked PyTorch KDA), or `bash scripts/train_demo_model_device.sh"
+        f"{' ' + str(int(r['deadline'])) if r.get('deadline') else ''}` on the lent H200.",
+        *([f"This run was time-boxed (`--deadline {r['deadline']:g}`): its cosine schedule was planned for "
+           f"{r['pretrain_planned_steps']} pretraining steps and the deadline ended it at {r['pretrain_steps']}, "
+           "so a rerun by step counts matches it up to that schedule horizon and GPU rounding."]
+          if r.get("pretrain_planned_steps") not in (None, r["pretrain_steps"]) else []),
         "",
         "## Data",
         f"* {r['files']} files, {r['text_mb']} MB, from `{r['stdlib']}`; split by a hash of the path: "

@@ -418,7 +418,7 @@ def main(argv=None) -> int:  # noqa: C901
             if step == 40 and meta["total"] is None:
                 per = (time.time() - t_calib) / 30
                 budget = min(args.pretrain_seconds - (time.time() - t_phase), left() - reserve)
-                meta["total"] = args.pretrain_steps or max(50, step + int(budget / per))
+                meta["total"] = meta["planned"] = args.pretrain_steps or max(50, step + int(budget / per))
                 log(f"pretrain: {per * 1000:.1f} ms/step -> {meta['total']} steps "
                     f"({args.batch}x{args.seq} tokens per step)")
             total = meta["total"] or args.pretrain_steps or 10**9
@@ -555,7 +555,8 @@ def main(argv=None) -> int:  # noqa: C901
                      "parameters": nparams, "size_bytes": size, "kda_impl": kda, "seq": args.seq,
                      "batch": args.batch, "pretrain_steps": meta["step"], "sft_steps": meta["sft_step"],
                      "lr": args.lr, "sft_lr": args.sft_lr, "seed": args.seed, "pretrain_final": meta.get("pretrain_final"),
-                     "sft_final": meta.get("sft_final"), "train_seconds": round(meta.get("seconds", 0.0), 1)}
+                     "sft_final": meta.get("sft_final"), "train_seconds": round(meta.get("seconds", 0.0), 1),
+                     "deadline": args.deadline, "pretrain_planned_steps": meta.get("planned")}
     ppl, n = heldout_perplexity(ew, ecfg, held_tok, args.seq, eo)
     results.update(heldout_perplexity=round(ppl, 3), heldout_scored_tokens=n)
     log(f"eval: held-out perplexity {ppl:.3f} over {n} tokens")
