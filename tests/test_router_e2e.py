@@ -200,27 +200,33 @@ def test_predicted_hit_equals_worker_cached_tokens(platform):
     assert sum(c > 0 for _, c in seen) >= 3  # the shared prefix was reused, on the worker that had it
 
 
-def test_index_equals_fresh_snapshot_of_each_worker(platform):
+def _fresh_snapshot_size(address) -> int:
+    """Keys in a new subscriber's snapshot of the worker's cache (= what the cache holds now)."""
     import grpc
 
     from k3serve.kv_events.index import KvEventIndex
     from k3serve.proto import worker_pb2 as pb
     from k3serve.proto import worker_pb2_grpc as pb_grpc
 
+    fresh = KvEventIndex()
+    with grpc.insecure_channel(address) as ch:
+        call = pb_grpc.WorkerStub(ch).SubscribeKvEvents(pb.KvEventsRequest(), timeout=30)
+        for msg in call:
+            fresh.apply(msg)
+            if fresh.snapshot_complete:
+                call.cancel()
+                break
+    return len(fresh.entries)
+
+
+def test_index_equals_fresh_snapshot_of_each_worker(platform):
     url = platform["url"]
     _wait(lambda: _synced(url), 30, "the prefix index to catch up")
     total = 0
     for w in _workers(url):
-        fresh = KvEventIndex()
-        with grpc.insecure_channel(w["address"]) as ch:
-            call = pb_grpc.WorkerStub(ch).SubscribeKvEvents(pb.KvEventsRequest(), timeout=30)
-            for msg in call:
-                fresh.apply(msg)
-                if fresh.snapshot_complete:
-                    call.cancel()
-                    break
-        assert w["index_keys"] == len(fresh.entries), w
-        total += len(fresh.entries)
+        n = _fresh_snapshot_size(w["address"])
+        assert w["index_keys"] == n, w
+        total += n
     assert total > 0
 
 
@@ -317,8 +323,14 @@ def test_kill_worker_mid_stream_completes_and_reinstates(platform, client, offli
     try:
         _wait(lambda: any(w["address"] == killed["grpc"] and w["healthy"] and w["index_ready"]
                           for w in _workers(url)), 120, "reinstatement")
+        for i in range(2):  # reach the restarted worker too; its index is rebuilt from its new instance
+            r = client.completions.create(model="tiny", prompt=[7 + i] * 300 + [i], max_tokens=5, temperature=0)
+            assert r.usage.completion_tokens == 5
         r = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
         assert r.choices[0].text == offline.generate(prompt, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].text
+        _wait(lambda: _synced(url), 30, "the prefix index to catch up after the reconnect")
+        back = next(w for w in _workers(url) if w["address"] == killed["grpc"])
+        assert back["resubscribes"] >= 1 and back["index_keys"] == _fresh_snapshot_size(killed["grpc"])
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
