@@ -174,3 +174,26 @@ def test_gaps_instance_changes_and_resync():
     assert not idx.ready(s) and idx.num_keys(s) == 0
     idx.remove_worker(s)
     assert idx._masks == {"mla": {}, "kda": {}}
+
+
+def test_policies_trade_reuse_against_load():
+    from types import SimpleNamespace
+
+    def w(slot, inflight=0, queued=0, running=0):
+        return SimpleNamespace(slot=slot, address=f"w{slot}", inflight=inflight, inflight_tokens=queued,
+                               load={"running": running, "waiting": 0})
+
+    hits = {0: Hit(800, 800), 1: Hit(0, 0), 2: Hit(0, 0)}
+    hybrid = make_policy("hybrid-prefix", Weights())
+    # the reuse wins while the worker that has it is not too busy...
+    assert hybrid.choose([w(0, 1, 100, 1), w(1), w(2)], hits, 1000).worker.slot == 0
+    # ...and loses when the prefill work already queued there costs more than it saves
+    assert hybrid.choose([w(0, 3, 2000, 3), w(1), w(2)], hits, 1000).worker.slot in (1, 2)
+    ll = make_policy("least-loaded", Weights())
+    assert ll.choose([w(0, 1, 0, 1), w(1, 2, 0, 2), w(2)], hits, 1000).worker.slot == 2
+    rr = make_policy("round-robin", Weights())
+    assert [rr.choose([w(0), w(1), w(2)], hits, 10).worker.slot for _ in range(4)] == [0, 1, 2, 0]
+    rnd = make_policy("random", Weights(), seed=1)
+    assert {rnd.choose([w(0), w(1), w(2)], hits, 10).worker.slot for _ in range(50)} == {0, 1, 2}
+    with pytest.raises(ValueError):
+        make_policy("nope")
