@@ -1,8 +1,8 @@
 """`k3serve operator simulate` as a subprocess for the tests: start a sample CR's pods, read the gateway
 (and Prometheus) address it prints, stop it with SIGTERM at the end of the session.
 
-`shared_simulation(request, key, make_cr)` starts one simulation per key for the whole pytest session
-(tests/test_k8s_simulate.py and tests/test_prometheus_dashboards.py use the same pods).
+`shared_simulation(request, key, make_cr)` starts one simulation per key and test module, for all the
+tests of that module.
 """
 
 from __future__ import annotations
@@ -99,19 +99,30 @@ def start_simulation(cr: dict, root: Path, *, model_dir: Path, prometheus: bool 
     return RunningSim(proc, found.group(1), found.group(2), found.group(3), root / "sim", lines)
 
 
-_SIMS: dict[str, RunningSim] = {}
+_SIMS: dict[tuple[str, str], RunningSim] = {}
 
 
 def shared_simulation(request, key: str, make_cr, model_dir: Path, **kw) -> RunningSim:
-    """One simulation per key for the session, stopped (and its exit code checked) at session end."""
-    if key not in _SIMS:
+    """One simulation per key and test module, stopped (its exit code checked) when the module ends,
+    so no pods outlive the tests that drive them."""
+    import pytest
+
+    module = request.node.getparent(pytest.Module)
+    ident = (module.nodeid, key)
+    if ident not in _SIMS:
         root = request.config._tmp_path_factory.mktemp(f"sim-{key}")
         sim = start_simulation(make_cr(), root, model_dir=model_dir, **kw)
-        _SIMS[key] = sim
+        _SIMS[ident] = sim
 
-        def stop():
-            code = _SIMS.pop(key).stop()
-            assert code == 0, f"simulate exited with {code}:\n{sim.output()[-4000:]}"
+        module.addfinalizer(lambda: release(request, key))
+    return _SIMS[ident]
 
-        request.session.addfinalizer(stop)
-    return _SIMS[key]
+
+def release(request, key: str) -> None:
+    """Stop a module's simulation now (if it runs) and check that simulate exited 0."""
+    import pytest
+
+    sim = _SIMS.pop((request.node.getparent(pytest.Module).nodeid, key), None)
+    if sim is not None:
+        code = sim.stop()
+        assert code == 0, f"simulate exited with {code}:\n{sim.output()[-4000:]}"

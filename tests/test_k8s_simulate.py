@@ -31,7 +31,7 @@ from k3serve.operator.simulate_plan import (
     rewrite_hosts,
 )
 
-from ._k8s_sim import sample, shared_simulation
+from ._k8s_sim import release, sample, shared_simulation
 
 NAME = "k3-tiny"  # spec.model.name of the sample
 WEATHER = {"type": "function", "function": {
@@ -149,7 +149,8 @@ def test_expand_and_rewrite_follow_kubernetes():
 def deployment(request, tiny_model_dir):
     sim = shared_simulation(request, request.param, SCENARIOS[request.param][0], tiny_model_dir, prometheus=True)
     sim.scenario = request.param
-    return sim
+    yield sim
+    release(request, request.param)  # one layout's pods at a time
 
 
 @pytest.fixture(scope="module")
@@ -243,9 +244,8 @@ def test_completions_greedy_equals_offline_engine(client, offline):
     assert r.choices[0].text == ref.outputs[0].text
 
 
-def test_pd_requests_pull_their_prompt_state_from_the_prefill_pod(request, tiny_model_dir):
-    deployment = shared_simulation(request, "pd", pd_cr, tiny_model_dir, prometheus=True)
-    client = openai.OpenAI(base_url=deployment.gateway, api_key="none", max_retries=0, timeout=120)
+@pytest.mark.parametrize("deployment", ["pd"], indirect=True)
+def test_pd_requests_pull_their_prompt_state_from_the_prefill_pod(deployment, client):
     long = [{"role": "user", "content": "Tell me about prefill and decode. " * 8}]
     client.chat.completions.create(model=NAME, messages=long, max_tokens=2, temperature=0)
     import httpx
