@@ -282,6 +282,19 @@ def _offload_rule() -> Rule:
     )
 
 
+def _env_rule() -> Rule:
+    """The env entries' CEL rule (operator/schema_dsl.py env_list), checked again here."""
+
+    def check(spec: dict) -> str | None:
+        for where in ("prefill", "decode", "router"):
+            for e in (spec.get(where) or {}).get("env") or []:
+                if "value" in e and "valueFrom" in e:
+                    return f"spec.{where}.env {e.get('name')}: set value or valueFrom, not both"
+        return None
+
+    return Rule("env", "spec.*.env: set value or valueFrom, not both", check)
+
+
 def _only_with_prefill(rule: Rule) -> Rule:
     """Prefill rules do not apply when the pool has no replicas (colocated mode)."""
     if not rule.name.startswith("prefill-") or not rule.cel:
@@ -303,6 +316,7 @@ RULES: tuple[Rule, ...] = tuple(
         _pd_rule(),
         _cache_rule(),
         _offload_rule(),
+        _env_rule(),
     )
 )
 

@@ -499,3 +499,11 @@ def test_model_uri_credentials_come_from_secrets_for_workers_and_router():
     assert env["K3SERVE_MODEL_REVISION"] == "v1" and env["HF_ENDPOINT"] == "http://mirror:8080"
     cr["spec"]["router"]["env"] = [{"name": "HF_TOKEN", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "y"}}}]
     assert any("spec.router.env" in p for p in render(cr).problems)
+
+
+def test_env_value_and_value_from_together_are_refused():
+    cr = sample("tiny-cpu.yaml")
+    cr["spec"]["router"]["env"] = [{"name": "HF_TOKEN", "value": "x",
+                                    "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}]
+    result = render(cr)
+    assert result.objects == [] and "spec.router.env HF_TOKEN: set value or valueFrom, not both" in result.problems
