@@ -56,9 +56,6 @@ HAND_WRITTEN: dict[str, dict[str, str]] = {
         "--role": "prefill | decode | both: which half of the P/D split this process serves",
         "--host": "bind address of the gRPC and metrics servers", "--grpc-port": "gRPC port",
         "--metrics-port": "/metrics, /health and /ready port",
-        "--tensor-parallel-size": "ranks of the process group (pod contract)",
-        "--data-parallel-size": "ranks of the process group (pod contract)",
-        "--expert-parallel": "expert sharding over the ranks (pod contract)",
         "--num-threads": "torch CPU threads of the process", "--log-level": "process logging",
         **_ZMQ,
     },
@@ -179,6 +176,9 @@ def start_engine(args: argparse.Namespace, model: str) -> ServedEngine:
     registry = prometheus_client.CollectorRegistry()
     metrics = EngineMetrics(registry, names[0])
     aeng = AsyncEngine(engine, model_name=names[0], metrics=metrics, on_fatal=stop_process)
+    check_peers = getattr(engine.runner, "check_peers", None)  # a TP group: a dead rank is fatal, idle or not
+    if check_peers is not None:
+        aeng.add_engine_hook(check_peers)
     aeng.start()
     return ServedEngine(aeng, registry, names)
 

@@ -27,11 +27,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--metrics-port", type=int, default=9100, help="0 picks a free port")
-    # Parallel layout (the store address --kv-store is an EngineArgs field): part of the pod contract
-    # (docs/components.md), so every rendered command line parses; layouts beyond one process are refused with a clear message.
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="attention TP ranks (1 today)")
-    parser.add_argument("--data-parallel-size", type=int, default=1, help="attention DP ranks (1 today)")
-    parser.add_argument("--expert-parallel", action="store_true", help="shard experts over the ranks")
+    # The parallel layout (--tensor-parallel-size, --data-parallel-size, --expert-parallel) and the store
+    # address (--kv-store) are EngineArgs fields; what is not implemented is refused below with a clear message.
     add_engine_args(parser)
     from k3serve.workers.kv_events_zmq import add_zmq_args
 
@@ -40,9 +37,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def unsupported_layout(args: argparse.Namespace) -> str | None:
     """Why this process cannot run the requested layout yet, or None."""
-    if args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
-        return (f"--tensor-parallel-size {args.tensor_parallel_size} / --data-parallel-size "
-                f"{args.data_parallel_size}: multi-rank workers are not implemented yet (only 1 / 1)")
+    if args.data_parallel_size != 1:
+        return f"--data-parallel-size {args.data_parallel_size}: data parallelism is not implemented yet (only 1)"
+    if args.tensor_parallel_size != 1 and args.role != "both":  # tensor parallel: workers/engine/parallel/
+        return (f"--tensor-parallel-size {args.tensor_parallel_size} with --role {args.role}: P/D transfers from "
+                "a multi-rank worker are not implemented yet (only --role both)")
     return None
 
 

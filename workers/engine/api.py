@@ -205,3 +205,10 @@ class EngineArgs:
     kv_transfer_timeout: float = arg(
         10.0, "seconds a decode worker waits for one pull before it recomputes the prompt itself",
         parse=_positive_seconds)
+    # Multi-rank engines (workers/engine/parallel/): CPU ranks over gloo, one process per rank
+    tensor_parallel_size: int = arg(
+        1, "tensor-parallel ranks (one process each; divides the KDA and MLA head counts)", parse=positive_int)
+    data_parallel_size: int = arg(1, "attention data-parallel ranks (only 1 is implemented)", parse=positive_int)
+    enable_expert_parallel: bool = arg(
+        False, "shard the routed experts over the ranks (whole experts) instead of slicing each one",
+        flag="--expert-parallel")  # the pod contract's spelling (docs/components.md)

@@ -102,8 +102,9 @@ def _group_layers(mla: list[int], kda: list[int]) -> tuple[int, list[CacheGroup]
     return group_size, groups
 
 
-def plan_cache_layout(config, dtype: torch.dtype, block_size: int | None = None) -> CacheLayout:
-    """Page and group geometry for `config` (a K3Config) with activations in `dtype`."""
+def plan_cache_layout(config, dtype: torch.dtype, block_size: int | None = None, tp_size: int = 1) -> CacheLayout:
+    """Page and group geometry for `config` (a K3Config) with activations in `dtype`, on one of `tp_size`
+    tensor-parallel ranks (its KDA page holds its share of the heads: workers/engine/parallel/shard.py)."""
     mla_layers = list(config.mla_layer_ids)
     kda_layers = list(config.kda_layer_ids)
     item = torch.empty((), dtype=dtype).element_size()
@@ -113,7 +114,7 @@ def plan_cache_layout(config, dtype: torch.dtype, block_size: int | None = None)
     mla_elems = config.kv_lora_rank + config.qk_rope_head_dim if mla_layers else 0
     mla_tok_bytes = mla_elems * item
     if kda_layers:
-        h, d, k = config.kda_num_heads, config.kda_head_dim, config.conv_kernel_size
+        h, d, k = config.kda_num_heads // tp_size, config.kda_head_dim, config.conv_kernel_size
         conv_channels, conv_width = 3 * h * d, k - 1
         conv_bytes = _round_up(conv_channels * conv_width * item, _REGION_ALIGN)
         ssm_bytes = _round_up(h * d * d * ssm_item, _REGION_ALIGN)

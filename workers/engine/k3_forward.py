@@ -217,11 +217,19 @@ class K3ForwardModel:
         return self._kda(i, x, b) if self.cfg.is_kda_layer(i) else self._mla(i, x, b)
 
     # -- the stack -----------------------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, H] (a TP rank overrides it: workers/engine/parallel/layers.py)."""
+        return self.w["model.embed_tokens.weight"][ids].to(self.dtype)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head over the final-normed rows (a TP rank overrides it: workers/engine/parallel/layers.py)."""
+        return linear(h, self.w["lm_head.weight"]).to(self.acc)
+
     @torch.inference_mode()
     def forward(self, b: ForwardBatch) -> torch.Tensor:
         """Returns logits [S, V] (float32, or float64 for float64 models) for `b.logits_indices`."""
         cfg, W = self.cfg, self.w
-        emb = W["model.embed_tokens.weight"][b.input_ids].to(self.dtype)
+        emb = self._embed(b.input_ids)
         eps = cfg.rms_norm_eps
         L = cfg.num_hidden_layers
         round_dtype = None if self.dtype in (torch.float32, torch.float64) else self.dtype
@@ -260,4 +268,4 @@ class K3ForwardModel:
                              W["model.output_attn_res_proj.weight"], None, nb, -1, eps, round_dtype=round_dtype)
         h = h[b.logits_indices]
         h = ops.rms_norm(h, W["model.norm.weight"], eps)
-        return linear(h, W["lm_head.weight"]).to(self.acc)
+        return self._logits(h)

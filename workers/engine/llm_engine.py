@@ -104,7 +104,12 @@ class LLMEngine:
         if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         self.served_model_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
-        layout = plan_cache_layout(cfg, self.dtype, args.block_size)
+        tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+        if tp != 1 or int(getattr(args, "data_parallel_size", 1) or 1) != 1:  # workers/engine/parallel/
+            from k3serve.workers.engine.parallel.shard import check_layout
+
+            check_layout(cfg, args)  # a layout that cannot shard the model: one clear error, no rank started
+        layout = plan_cache_layout(cfg, self.dtype, args.block_size, tp_size=tp)
         self.layout = layout
         caching = bool(args.enable_prefix_caching)
         min_blocks = layout.min_blocks_for(self.max_model_len, caching)
@@ -131,10 +136,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                                    connector=self.connector.scheduler if self.connector else None)
-        self.runner = ModelRunner(cfg, weights, layout, num_blocks, self.dtype, args.device,
-                                  args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
-                                  cuda_graphs=None if not args.enforce_eager else False,
-                                  cuda_graph_max_batch=args.cuda_graph_max_batch)
+        if tp > 1:  # rank 0 of a tensor-parallel group (workers/engine/parallel/launcher.py)
+            from k3serve.workers.engine.parallel.launcher import start_parallel_runner
+
+            self.runner = start_parallel_runner(args, cfg, weights, layout, num_blocks, self.dtype,
+                                                self.max_model_len)
+        else:
+            self.runner = ModelRunner(cfg, weights, layout, num_blocks, self.dtype, args.device,
+                                      args.max_num_batched_tokens, args.max_num_seqs, self.max_model_len,
+                                      cuda_graphs=None if not args.enforce_eager else False,
+                                      cuda_graph_max_batch=args.cuda_graph_max_batch)
         if args.static_decode is not None and not args.enforce_eager:
             self.runner.static_decode = bool(args.static_decode)
         if self.connector is not None:

@@ -221,6 +221,8 @@ class InputPreparer:
 
 
 class ModelRunner:
+    model_class = None  # K3ForwardModel when None; a TP rank's runner sets its own (workers/engine/parallel/)
+
     def __init__(self, config, weights, layout: CacheLayout, num_blocks: int, dtype: torch.dtype,
                  device: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  cuda_graphs: bool | None = None, cuda_graph_max_batch: int = 256):
@@ -228,7 +230,7 @@ class ModelRunner:
 
         self.layout = layout
         self.kv = KVCacheTensors(layout, num_blocks, torch.device(device))
-        self.model = K3ForwardModel(config, weights, layout, self.kv, dtype)
+        self.model = (self.model_class or K3ForwardModel)(config, weights, layout, self.kv, dtype)
         self.inputs = InputPreparer(layout, device, max_num_batched_tokens, max_num_seqs, max_model_len)
         self.device = torch.device(device)
         # Decode-only steps run as a fixed-shape batch padded to a capture size; on CUDA that batch is

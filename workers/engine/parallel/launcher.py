@@ -1,0 +1,224 @@
+"""The process model of a tensor-parallel engine: one process per rank, rank 0 is the engine's own.
+
+Rank 0 (`start_parallel_runner`, called by LLMEngine when tensor_parallel_size > 1) runs the scheduler,
+the KV-cache manager and the sampler as a single-rank engine does; its runner is a `ParallelModelRunner`.
+Ranks 1..N-1 are spawned processes (`rank_main`): each loads the checkpoint, keeps its shard
+(workers/engine/parallel/shard.py), builds the same cache layout and pool size, and then executes every
+step's SchedulerOutput (plain data, workers/engine/scheduler_output.py) that rank 0 sends it over a pipe,
+before rank 0 executes the same step itself. Inside the step the ranks meet in the model's collectives
+(gloo over 127.0.0.1, workers/engine/parallel/group.py); rank 0 alone gets the full logits it samples.
+
+Failure: a rank that exits (killed, crashed) is seen by rank 0 at the next step before anything is sent
+(`RankFailedError` naming the rank and its exit code), or inside a step's collective (its sockets close:
+gloo raises at once); a rank that hangs makes the collective raise after `timeout_s`. After one failure
+the runner stays failed, and the other ranks are stopped. A rank whose rank 0 is gone sees its pipe close
+and exits with status 1. Loopback only: ranks spanning nodes (K3SERVE_LEADER_ADDR) are not done yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from k3serve.workers.engine.model_runner import ModelRunner
+from k3serve.workers.engine.parallel.group import RankGroup, host_store, join_store
+from k3serve.workers.engine.parallel.layers import ParallelK3ForwardModel
+from k3serve.workers.engine.parallel.shard import ShardPlan, shard_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("K3SERVE_TP_TIMEOUT_S", "30"))  # a hung peer inside a collective
+STARTUP_TIMEOUT_S = 600.0  # ranks loading the checkpoint
+
+
+class RankFailedError(BaseException):
+    """A rank of the tensor-parallel group exited or stopped answering; the engine cannot step again.
+
+    A BaseException on purpose: workers/async_engine.py contains a failed step (`except Exception`) and
+    keeps serving, which a broken group cannot; this ends the engine thread instead (unhealthy, and the
+    serving process exits 1 through its on_fatal)."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a spawned rank needs to build the same runner as rank 0 (picklable plain data)."""
+
+    model: str
+    dtype: torch.dtype
+    size: int
+    expert_parallel: bool
+    port: int
+    layout: object  # CacheLayout
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    static_decode: bool
+    timeout_s: float
+
+
+class ParallelModelRunner(ModelRunner):
+    """A ModelRunner whose model is this rank's ParallelK3ForwardModel; on rank 0 it also forwards each
+    step to the other ranks (`peers`) before executing it."""
+
+    def __init__(self, config, weights, layout, num_blocks, dtype, *, group: RankGroup, plan: ShardPlan,
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, peers=()):
+        def model_class(cfg, w, lay, kv, dt):
+            return ParallelK3ForwardModel(cfg, w, lay, kv, dt, group=group, plan=plan)
+
+        self.model_class = model_class
+        super().__init__(config, weights, layout, num_blocks, dtype, "cpu", max_num_batched_tokens, max_num_seqs,
+                         max_model_len, cuda_graphs=False)
+        self.group = group
+        self.peers = list(peers)  # rank 0: [(rank, Process, Connection)]
+        self.error: RankFailedError | None = None
+        self._finalizer = weakref.finalize(self, _stop_peers, self.peers)
+
+    def check_peers(self) -> None:
+        """Raise RankFailedError if a rank has exited (cheap: a non-blocking wait per rank)."""
+        if self.error is None:
+            for rank, proc, _conn in self.peers:
+                if proc.exitcode is not None:
+                    self._fail(f"tensor-parallel rank {rank} exited (status {proc.exitcode})")
+        if self.error is not None:
+            raise self.error
+
+    def _dead_rank(self, wait_s: float) -> str | None:
+        """Which rank exited, waiting up to `wait_s` for its status (a collective fails as its sockets close,
+        a moment before the process is reaped)."""
+        deadline = time.monotonic() + wait_s
+        for rank, proc, _conn in self.peers:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is not None:
+                return f"tensor-parallel rank {rank} exited (status {proc.exitcode})"
+        return None
+
+    def _fail(self, why: str) -> None:
+        self.error = RankFailedError(why)
+        log.error("%s; stopping the other ranks", why)
+        _stop_peers(self.peers)
+
+    def execute(self, sched):
+        self.check_peers()
+        try:
+            for _rank, _proc, conn in self.peers:
+                conn.send(sched)
+            return super().execute(sched)
+        except Exception as e:
+            if self.peers:  # rank 0: the ranks are out of lockstep, the group is broken for good
+                self._fail(self._dead_rank(1.0) or f"tensor-parallel step failed: {type(e).__name__}: {e}")
+                raise self.error from e
+            raise
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop_peers(peers) -> None:
+    for _rank, _proc, conn in peers:
+        try:
+            conn.send(None)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5.0
+    for _rank, proc, _conn in peers:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(5.0)
+    for _rank, _proc, conn in peers:
+        conn.close()
+
+
+def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: torch.dtype,
+                          max_model_len: int) -> ParallelModelRunner:
+    """Rank 0: spawn ranks 1..N-1, wait until each has loaded its shard, join the group, return the runner."""
+    size = int(args.tensor_parallel_size)
+    ep = bool(getattr(args, "enable_expert_parallel", False))
+    timeout_s = DEFAULT_TIMEOUT_S
+    store = host_store(size, STARTUP_TIMEOUT_S)
+    spec = RankSpec(args.model, dtype, size, ep, store.port, layout, num_blocks, args.max_num_batched_tokens,
+                    args.max_num_seqs, max_model_len, bool(args.static_decode), timeout_s)
+    ctx = mp.get_context("spawn")
+    peers = []
+    try:
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, args=(rank, spec, child), name=f"k3serve-tp-rank-{rank}",
+                               daemon=True)
+            proc.start()
+            child.close()
+            peers.append((rank, proc, parent))
+        plan = ShardPlan.make(cfg, 0, size, ep)
+        rank_cfg, shard = shard_weights(cfg, weights, plan, dtype)
+        del weights
+        for rank, proc, conn in peers:  # each rank reports "loaded" (or its error) before the group forms
+            msg = _wait_message(rank, proc, conn, STARTUP_TIMEOUT_S)
+            if msg[0] != "loaded":
+                raise RankFailedError(f"tensor-parallel rank {rank} failed to start: {msg[1]}")
+        group = RankGroup(store, 0, size, timeout_s)
+        runner = ParallelModelRunner(rank_cfg, shard, layout, num_blocks, dtype, group=group, plan=plan,
+                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                     max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, peers=peers)
+    except BaseException:
+        _stop_peers(peers)
+        raise
+    runner.store = store  # kept alive: the group's rendezvous
+    if args.static_decode is not None:
+        runner.static_decode = bool(args.static_decode)
+    return runner
+
+
+def _wait_message(rank: int, proc, conn, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.1):
+            try:
+                return conn.recv()
+            except EOFError:
+                break
+        if proc.exitcode is not None:
+            break
+    proc.join(1.0)
+    raise RankFailedError(f"tensor-parallel rank {rank} exited while starting (status {proc.exitcode})")
+
+
+def rank_main(rank: int, spec: RankSpec, conn) -> None:
+    """A spawned rank: load its shard, join the group, execute steps until rank 0 says stop or goes away."""
+    from k3serve.workers.model.loader import load_model_weights
+
+    status = 0
+    try:
+        cfg, weights = load_model_weights(spec.model, dtype=spec.dtype, device="cpu")
+        plan = ShardPlan.make(cfg, rank, spec.size, spec.expert_parallel)
+        rank_cfg, shard = shard_weights(cfg, weights, plan, spec.dtype)
+        del weights
+        conn.send(("loaded", None))
+        group = RankGroup(join_store(spec.port, spec.size, STARTUP_TIMEOUT_S), rank, spec.size, spec.timeout_s)
+        runner = ParallelModelRunner(rank_cfg, shard, spec.layout, spec.num_blocks, spec.dtype, group=group,
+                                     plan=plan, max_num_batched_tokens=spec.max_num_batched_tokens,
+                                     max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
+        runner.static_decode = spec.static_decode
+        while True:
+            try:
+                sched = conn.recv()
+            except EOFError:  # rank 0 is gone
+                status = 1
+                break
+            if sched is None:
+                break
+            runner.execute(sched)
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0 (while starting) and in the exit status
+        status = 1
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        log.error("tensor-parallel rank %d failed: %s", rank, e)
+    os._exit(status)

@@ -1,0 +1,187 @@
+"""Which layouts can shard a model, and each rank's config and weight shard (one checkpoint, any rank count).
+
+    check_layout(cfg, args)                      # ValueError naming every reason, before any rank starts
+    plan = ShardPlan.make(cfg, rank, tp, expert_parallel)
+    rank_cfg, shard = shard_weights(cfg, weights, plan, dtype)
+
+Slicing (canonical names of workers/model/spec.py; "rows" = dim 0, "cols" = dim 1):
+* KDA, by head: q/k/v/g/f_b/g_b projections, b_proj, the q/k/v conv weights, A_log, dt_bias by rows;
+  o_proj by cols; f_a_proj, g_a_proj, o_norm replicated. The conv and recurrent state of a rank then hold
+  its heads only (its KDA page is 1/tp of the single-rank page: workers/engine/cache_layout.py tp_size).
+* MLA, by head: q_proj or q_b_proj, kv_b_proj, g_proj by rows; o_proj by cols; the latent path
+  (q_a_proj, kv_a_proj_with_mqa and their norms) replicated, so every rank writes the same latent cache.
+* Dense MLP and shared experts: gate/up by rows (column-parallel), down by cols (row-parallel).
+* Routed experts: tensor parallel = each expert's intermediate slice (w13's gate and up halves by rows,
+  w2 by cols); expert parallel = whole experts, rank r holding `ExpertMap.physical[r]`. The router, the
+  latent down/up projections and the latent norm are replicated.
+* Embedding and LM head: vocab-parallel, the vocabulary padded to a multiple of tp with zero rows.
+MXFP4 experts are dequantized before slicing (the CPU path computes with dense experts anyway), and
+MTP layers are dropped (the engine's forward does not run them).
+
+Each rank reads the whole checkpoint and keeps its slices (loading only the slices is not done yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_KDA_ROWS = ("q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "g_b_proj", "b_proj",
+             "q_conv1d", "k_conv1d", "v_conv1d")
+_MLA_ROWS = ("q_proj", "q_b_proj", "kv_b_proj", "g_proj")
+
+
+def check_layout(cfg, args) -> None:
+    """Raise one ValueError naming every reason `args` (EngineArgs) cannot shard `cfg`, or return."""
+    tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    ep = bool(getattr(args, "enable_expert_parallel", False))
+    why = []
+    if tp < 1:
+        why.append(f"tensor_parallel_size must be >= 1 (got {tp})")
+    if dp != 1:
+        why.append(f"data_parallel_size={dp}: data parallelism is not implemented (only 1)")
+    if tp > 1:
+        if not str(getattr(args, "device", "cpu")).startswith("cpu"):
+            why.append(f"device={args.device}: tensor parallelism runs on CPU ranks (gloo) only")
+        if (getattr(args, "kv_offload_memory", None) or getattr(args, "kv_connectors", ())
+                or getattr(args, "kv_store", None)):
+            why.append("KV connectors (offload, store, P/D) are not implemented with tensor_parallel_size > 1")
+        if cfg.kda_layer_ids and cfg.kda_num_heads % tp:
+            why.append(f"KDA heads ({cfg.kda_num_heads}) are not divisible by tensor_parallel_size={tp}")
+        if cfg.mla_layer_ids and cfg.num_attention_heads % tp:
+            why.append(f"MLA heads ({cfg.num_attention_heads}) are not divisible by tensor_parallel_size={tp}")
+        dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
+        if dense and cfg.intermediate_size % tp:
+            why.append(f"intermediate_size ({cfg.intermediate_size}) is not divisible by tensor_parallel_size={tp}")
+        if cfg.moe_layer_ids:
+            if cfg.num_shared_experts and cfg.shared_intermediate_size % tp:
+                why.append(f"the shared experts' intermediate size ({cfg.shared_intermediate_size}) is not "
+                           f"divisible by tensor_parallel_size={tp}")
+            if ep and cfg.num_experts % tp:
+                why.append(f"routed experts ({cfg.num_experts}) are not divisible over {tp} expert-parallel ranks")
+            if not ep and cfg.moe_intermediate_size % tp:
+                why.append(f"moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by "
+                           f"tensor_parallel_size={tp} (enable_expert_parallel shards whole experts instead)")
+    if why:
+        raise ValueError(f"tensor_parallel_size={tp}: this layout cannot shard the model: " + "; ".join(why))
+
+
+@dataclass(frozen=True)
+class ExpertMap:
+    """Logical expert -> (rank, physical slot). `physical[r]` lists the logical experts rank r holds, in
+    slot order; the default placement is contiguous. A load balancer moves experts by building another
+    map (and reloading the moved experts' weights); the forward only reads `local_index(rank)`."""
+
+    num_experts: int
+    physical: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def contiguous(cls, num_experts: int, ranks: int) -> ExpertMap:
+        n = num_experts // ranks
+        return cls(num_experts, tuple(tuple(range(r * n, (r + 1) * n)) for r in range(ranks)))
+
+    def __post_init__(self):
+        placed = sorted(e for p in self.physical for e in p)
+        if placed != list(range(self.num_experts)):
+            raise ValueError("ExpertMap: every logical expert must be placed exactly once")
+
+    def owner(self, expert: int) -> tuple[int, int]:
+        for r, p in enumerate(self.physical):
+            if expert in p:
+                return r, p.index(expert)
+        raise KeyError(expert)
+
+    def local_index(self, rank: int) -> torch.Tensor:
+        """[num_experts] int64: the slot of each logical expert on `rank`, -1 where another rank has it."""
+        m = torch.full((self.num_experts,), -1, dtype=torch.long)
+        for slot, e in enumerate(self.physical[rank]):
+            m[e] = slot
+        return m
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    rank: int
+    size: int
+    expert_parallel: bool
+    vocab_size: int  # the full vocabulary (logits are cut back to it)
+    vocab_per_rank: int
+    expert_map: ExpertMap | None
+
+    @classmethod
+    def make(cls, cfg, rank: int, size: int, expert_parallel: bool) -> ShardPlan:
+        ep = bool(expert_parallel and cfg.num_experts)
+        return cls(rank, size, ep, cfg.vocab_size, -(-cfg.vocab_size // size),
+                   ExpertMap.contiguous(cfg.num_experts, size) if ep else None)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+
+def rank_config(cfg, size: int):
+    """The config one rank computes with: its share of the KDA and MLA heads (MXFP4 experts come dense)."""
+    return dataclasses.replace(cfg, kda_num_heads=cfg.kda_num_heads // size,
+                               num_attention_heads=cfg.num_attention_heads // size, experts_mxfp4=False)
+
+
+def _part(t: torch.Tensor, dim: int, plan: ShardPlan) -> torch.Tensor:
+    return t.chunk(plan.size, dim=dim)[plan.rank].contiguous().clone()
+
+
+def shard_weights(cfg, weights: dict[str, torch.Tensor], plan: ShardPlan, dtype: torch.dtype):
+    """(rank config, this rank's weight dict) from the full canonical weights."""
+    if cfg.experts_mxfp4:
+        from k3serve.workers.model.reference import dequantize_experts
+
+        weights = dequantize_experts(weights, dtype)
+    out: dict[str, torch.Tensor] = {}
+    L = cfg.num_hidden_layers
+    for name, t in weights.items():
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            if i >= L:
+                continue  # MTP layers: not run by the engine's forward
+            out[name] = _layer_param(cfg, i, name.split(".", 3)[3], t, plan)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            pad = plan.vocab_per_rank * plan.size - t.shape[0]
+            if pad:
+                t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+            out[name] = _part(t, 0, plan)
+        else:
+            out[name] = t
+    return rank_config(cfg, plan.size), out
+
+
+def _layer_param(cfg, i: int, rest: str, t: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    parts = rest.split(".")
+    mod, leaf = parts[0], parts[1]
+    if mod == "self_attn":
+        rows = _KDA_ROWS + ("A_log", "dt_bias") if cfg.is_kda_layer(i) else _MLA_ROWS
+        if leaf in rows:
+            return _part(t, 0, plan)
+        if leaf == "o_proj":
+            return _part(t, 1, plan)
+        return t  # the replicated pieces (f_a / g_a, o_norm; the MLA latent path)
+    if mod == "mlp" or (mod == "block_sparse_moe" and leaf == "shared_experts"):
+        proj = parts[-2]
+        if proj in ("gate_proj", "up_proj"):
+            return _part(t, 0, plan)
+        if proj == "down_proj":
+            return _part(t, 1, plan)
+        return t
+    if mod == "block_sparse_moe" and leaf == "experts":
+        which = parts[2]
+        if plan.expert_parallel:
+            idx = torch.tensor(plan.expert_map.physical[plan.rank], dtype=torch.long)
+            return t.index_select(0, idx).contiguous()
+        if which == "w13":  # [E, 2I, Din]: gate rows then up rows, each sliced
+            gate, up = t.chunk(2, dim=1)
+            return torch.cat([_part(gate, 1, plan), _part(up, 1, plan)], dim=1)
+        if which == "w2":  # [E, Dout, I]
+            return _part(t, 2, plan)
+        raise ValueError(f"unexpected expert tensor {rest!r}")
+    return t  # norms, AttnRes, router, latent projections: replicated
