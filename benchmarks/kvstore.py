@@ -154,9 +154,9 @@ def _stat(llm, key: str) -> float:
 
 
 def _shutdown(llm) -> None:
-    fn = getattr(llm.engine, "shutdown", None)
-    if fn:
-        fn()
+    """Close the engine's connectors (the store client unmounts its segment)."""
+    if llm.engine.connector is not None:
+        llm.engine.connector.worker.shutdown()
 
 
 def _store_producer(conn, model: str, prefix: int, address: str, prompt: list[int]):
