@@ -37,6 +37,7 @@ from k3serve.openai_api.chat_output import ChatOutputBuilder
 from k3serve.openai_api.completion_output import CompletionOutputBuilder
 from k3serve.openai_api.errors import ApiKeyMiddleware, install_error_handlers
 from k3serve.openai_api.logprobs import TokenText
+from k3serve.openai_api.text_guards import tokenize_guarded
 from k3serve.openai_api.validate import check_params_token_ids, check_token_ids
 from k3serve.proto.convert import sampling_to_proto
 from k3serve.router.dispatch import Dispatcher, Job, Run
@@ -111,27 +112,6 @@ class Gateway:
         except (ValueError, TypeError, OverflowError) as e:
             raise P.ProtocolError(f"a sampling parameter is out of range: {e}") from None
         return kwargs
-
-
-_NOT_CAUGHT = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
-
-
-def tokenize_guarded(fn, param: str | None):
-    """`fn()` (render or tokenize); a failure inside the native tokenizer (tiktoken's regex panics on ~1M-character
-    runs of one character class, a pyo3 PanicException = BaseException) is a 400 naming `param`, as in
-    workers/serving/context.py."""
-    try:
-        return fn()
-    except _NOT_CAUGHT:
-        raise
-    except P.ProtocolError:
-        raise
-    except ValueError as e:
-        raise P.ProtocolError(str(e), param=param) from None
-    except BaseException as e:  # noqa: BLE001 - pyo3's PanicException derives from BaseException
-        log.info("tokenizer failed on %s: %s: %s", param, type(e).__name__, str(e)[:200])
-        raise P.ProtocolError(f"{param or 'input'}: the tokenizer cannot split this text (a very long run of one "
-                              "kind of character, such as whitespace); shorten or break it up", param=param) from None
 
 
 class RequestIdMiddleware:

@@ -282,7 +282,7 @@ def test_a_tokenizer_panic_is_a_400(env):
     """The fallback behind the whitespace bound: a native tokenizer failure (tiktoken's Rust panic, a
     BaseException) becomes a ProtocolError naming the field."""
     from k3serve.openai_api.protocol import ProtocolError
-    from k3serve.workers.serving.context import tokenize_guarded
+    from k3serve.openai_api.text_guards import tokenize_guarded
 
     with pytest.raises(ProtocolError) as ei:
         tokenize_guarded(lambda: env.tok.encode(" " * 1_000_000), "messages.0.name")

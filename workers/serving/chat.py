@@ -9,7 +9,8 @@ from k3serve.chat.renderer import render_chat
 from k3serve.openai_api import protocol as P
 from k3serve.openai_api.chat_output import ChatOutputBuilder
 from k3serve.openai_api.deltas import DeltaTracker
-from k3serve.workers.serving.context import ServingContext, check_whitespace_runs, respond, tokenize_guarded
+from k3serve.openai_api.text_guards import check_whitespace_runs, tokenize_guarded
+from k3serve.workers.serving.context import ServingContext, respond
 
 
 def render_request(tokenizer, req: P.ChatCompletionRequest):
