@@ -197,7 +197,10 @@ def ttft_rows(address: str, prefix: int, reps: int) -> list:
         # host tier: a device pool for about one request, so serving Y evicts X to host memory
         probe = llm.engine
         per_block = probe.layout.bytes_per_block
-        need = probe.layout.min_blocks_for(prefix + 64, True) + 2
+        # one request's pages plus its retained KDA snapshots (dense retention: one per block and KDA
+        # group); a pool without room for them drops the snapshots, and nothing could be reused
+        L = probe.layout
+        need = L.min_blocks_for(prefix + 64, True) + len(L.kda_groups) * -(-prefix // L.block_size) + 2
         llm = _engine(model, prefix, kv_cache_memory=need * per_block, kv_offload_memory=4 * need * per_block)
         _ttft(llm, prompt_with(X))
         for _ in range(2):  # unrelated prompts of the same size: every page of X is evicted to the host
