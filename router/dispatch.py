@@ -73,7 +73,7 @@ class _Sub:
 class Dispatcher:
     def __init__(self, registry, index, policy, *, fingerprint: bytes, unit: int | None, metrics,
                  model_name: str, tokenizer=None, max_attempts: int = 3, role: str = "decode",
-                 pd_threshold: int = 64, prefill_timeout: float = 300.0):
+                 pd_threshold: int = 64, prefill_timeout: float = 300.0, store_timeout: float = 0.02):
         self.registry, self.index, self.policy = registry, index, policy
         self.fingerprint, self.unit = fingerprint, unit
         self.metrics, self.model_name = metrics, model_name
@@ -82,6 +82,7 @@ class Dispatcher:
         self.role = role
         self.pd_threshold = pd_threshold  # skip the prefill hop when at most this many tokens are uncached
         self.prefill_timeout = prefill_timeout
+        self.store_timeout = store_timeout  # seconds for the one StoreLookup per request (0 disables it)
         self._ids = itertools.count()
 
     def hash_unit(self, candidates) -> int | None:
@@ -91,20 +92,55 @@ class Dispatcher:
         sizes.discard(0)
         return min(sizes) if len(sizes) == 1 else None
 
-    def _hits(self, cands, prompt_ids: list[int], cache_salt: str | None) -> dict[int, Hit]:
+    def _hits(self, cands, prompt_ids: list[int], cache_salt: str | None, store: int = 0) -> dict[int, Hit]:
+        """Per candidate slot: max(its own usable hit, the store's joint usable hit) — any worker with the
+        store attached can load the store's part (docs/kvstore.md)."""
         unit = self.hash_unit(cands)
-        if not unit:
-            return {}
-        hashes = chain_hashes(root_hash(self.fingerprint, cache_salt), prompt_ids, unit)
-        return self.index.predict(hashes, len(prompt_ids), unit, [w.slot for w in cands])
+        hits = {}
+        if unit:
+            hashes = chain_hashes(root_hash(self.fingerprint, cache_salt), prompt_ids, unit)
+            hits = self.index.predict(hashes, len(prompt_ids), unit, [w.slot for w in cands])
+        if store:
+            for w in cands:
+                if w.has_store is False:
+                    continue
+                h = hits.get(w.slot, Hit(0, 0))
+                if store > h.usable:
+                    hits[w.slot] = Hit(store, max(h.mla, store), store - h.usable)
+        return hits
 
-    def choose(self, prompt_ids: list[int], cache_salt: str | None, exclude: set[str], role: str | None = None):
+    async def store_hit(self, prompt_ids: list[int], cache_salt: str | None) -> int:
+        """The store's joint usable hit for a prompt: one StoreLookup on a healthy worker with a store attached
+        (or not asked yet), bounded by `store_timeout`. Any failure is 0; NO_STORE marks the worker storeless."""
+        if not self.store_timeout or not self.policy.uses_hits:
+            return 0
+        ws = [w for w in self.registry.workers.values() if w.healthy and w.has_store is not False]
+        if not ws:
+            return 0
+        w = next((c for c in ws if c.has_store), ws[0])
+        req = pb.StoreLookupRequest(prompt_token_ids=prompt_ids)
+        if cache_salt is not None:
+            req.cache_salt = cache_salt
+        try:
+            resp = await asyncio.wait_for(w.stub.StoreLookup(req, timeout=self.store_timeout),
+                                          self.store_timeout + 0.005)
+        except (TimeoutError, grpc.RpcError) as e:
+            log.debug("store lookup on %s: %s", w.address, e)
+            return 0
+        if resp.status == pb.StoreLookupResponse.NO_STORE:
+            w.has_store = False
+            return 0
+        w.has_store = True
+        return int(resp.num_tokens) if resp.status == pb.StoreLookupResponse.OK else 0
+
+    def choose(self, prompt_ids: list[int], cache_salt: str | None, exclude: set[str], role: str | None = None,
+               store: int = 0):
         """(worker, Hit) for a prompt by the policy, or None when no worker can take it."""
         cands = self.registry.candidates(role or self.role, exclude)
         if not cands:
             return None
         t0 = time.perf_counter()
-        hits = self._hits(cands, prompt_ids, cache_salt) if self.policy.uses_hits else {}
+        hits = self._hits(cands, prompt_ids, cache_salt, store) if self.policy.uses_hits else {}
         choice = self.policy.choose(cands, hits, len(prompt_ids))
         self.metrics.decision(self.policy.name, choice.reason, time.perf_counter() - t0)
         return choice.worker, choice.hit
@@ -112,7 +148,7 @@ class Dispatcher:
     def pd_enabled(self) -> bool:
         return any(w.role == "prefill" for w in self.registry.candidates("prefill"))
 
-    def choose_decode(self, prompt_ids: list[int], cache_salt: str | None, exclude: set[str]):
+    def choose_decode(self, prompt_ids: list[int], cache_salt: str | None, exclude: set[str], store: int = 0):
         """P/D: the decode worker by load, then free pages; with its own predicted hit (it checks its cache
         before pulling)."""
         cands = [w for w in self.registry.candidates("decode", exclude) if w.role != "prefill"]
@@ -121,7 +157,7 @@ class Dispatcher:
         from k3serve.router.policy import load_of
 
         w = min(cands, key=lambda c: (load_of(c, self.policy.weights), -int(c.load.get("free_pages", 0)), c.address))
-        hits = self._hits([w], prompt_ids, cache_salt)
+        hits = self._hits([w], prompt_ids, cache_salt, store)
         return w, hits.get(w.slot, Hit(0, 0))
 
     def start(self, job: Job) -> Run:
@@ -156,18 +192,19 @@ class Run:
         the policy's score, unless the decode worker would compute at most `pd_threshold` uncached tokens."""
         d, job = self.d, self.job
         got = None
+        store = await d.store_hit(job.prompt_ids, job.cache_salt)
         if d.pd_enabled():
-            got = d.choose_decode(job.prompt_ids, job.cache_salt, set())
+            got = d.choose_decode(job.prompt_ids, job.cache_salt, set(), store)
             if got is not None:
                 self.worker, self.predicted = got
                 if len(job.prompt_ids) - self.predicted.usable > d.pd_threshold:
-                    pre = d.choose(job.prompt_ids, job.cache_salt, {self.worker.address}, role="prefill")
+                    pre = d.choose(job.prompt_ids, job.cache_salt, {self.worker.address}, role="prefill", store=store)
                     if pre is not None:
                         self.prefill_worker, self.predicted = pre
                 else:
                     d.metrics.decision(d.policy.name, "pd-skip", 0.0)
         else:
-            got = d.choose(job.prompt_ids, job.cache_salt, set())
+            got = d.choose(job.prompt_ids, job.cache_salt, set(), store=store)
             if got is not None:
                 self.worker, self.predicted = got
         if got is None:

@@ -276,7 +276,11 @@ async def _respond(gw: Gateway, request: Request, req, runs: list[Run], *, on_de
     def finish(ok: bool) -> None:
         gw.metrics.e2e(time.monotonic() - t0)
         if ok:
-            gw.metrics.cached(sum(r.cached_tokens for r in runs))
+            for r in runs:  # by source: the store's share is what the worker's own cache could not have had
+                own = (r.predicted.usable - r.predicted.store) if r.predicted else r.cached_tokens
+                from_store = max(0, r.cached_tokens - own) if r.predicted and r.predicted.store else 0
+                gw.metrics.cached(r.cached_tokens - from_store)
+                gw.metrics.cached(from_store, source="store")
 
     if req.stream:
         async def events():

@@ -80,6 +80,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-threshold", type=int, default=64,
                    help="P/D: skip the prefill hop when the decode worker would compute at most this many tokens")
     p.add_argument("--prefill-timeout", type=_positive, default=300.0, help="P/D: seconds for the prefill hop")
+    p.add_argument("--store-lookup-timeout", type=float, default=0.02, metavar="SECONDS",
+                   help="bound on the one StoreLookup per request (the store's hit counts as 0 after it; 0: no lookups)")
     p.add_argument("--seed", type=int, default=None, help="seed of the random policy")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -152,7 +154,8 @@ async def serve(args, *, ready=None) -> int:
     policy = make_policy(args.policy, Weights(args.prefill_weight, args.load_weight, args.request_tokens), args.seed)
     dispatcher = Dispatcher(registry, index, policy, fingerprint=fp, unit=args.prefix_match_unit, metrics=metrics,
                             model_name=names[0], tokenizer=tok, max_attempts=args.max_attempts, role="decode",
-                            pd_threshold=args.pd_threshold, prefill_timeout=args.prefill_timeout)
+                            pd_threshold=args.pd_threshold, prefill_timeout=args.prefill_timeout,
+                            store_timeout=args.store_lookup_timeout)
     gw = Gateway(tokenizer=tok, model_names=list(names), vocab_size=vocab, dispatcher=dispatcher, metrics=metrics,
                  max_model_len=args.max_model_len, request_timeout=args.request_timeout)
     discovery = None

@@ -34,6 +34,7 @@ _STORED, _REMOVED = 1, 2  # worker.proto KvEvent.Kind
 class Hit:
     usable: int  # tokens the worker can really skip: min(MLA hit, deepest KDA snapshot at or below it)
     mla: int  # the attention-only hit (what an attention-only router would predict)
+    store: int = 0  # the part of `usable` beyond the worker's own cache that the Mooncake store supplies
 
 
 @dataclass

@@ -51,6 +51,7 @@ class Worker:
     tasks: list[asyncio.Task] = field(default_factory=list)
     last_ok: float = 0.0
     resubscribes: int = 0
+    has_store: bool | None = None  # StoreLookup answered NO_STORE: False (no more lookups); None: not asked yet
 
     @property
     def name(self) -> str:
