@@ -13,7 +13,10 @@ Workers: `--prefill N --decode M` starts N prefill and M decode workers when thi
 those roles; otherwise (the P/D roles not shipped yet) N + M colocated (`--role both`) workers, and says
 so. `--workers K` asks for K colocated workers directly. `--store` (the Mooncake store) needs root (its
 clients listen on all interfaces, so they must run in a private network namespace) and is refused
-without it with one line.
+without it with one line. As root, `--store` starts `mooncake_master` and the workers inside one private
+network namespace (kvstore/netns.py `PrivateNetns`; the workers get `--kv-store 127.0.0.1:PORT`); the
+router stays in the host namespace and reaches the workers over Unix-domain sockets (`--grpc-uds`) in a
+private directory, so nothing of the store is reachable from the host's network.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ class Platform:
 
 
 _WORKER_READY = re.compile(r"k3serve worker: ready grpc=(\S+)")
+_WORKER_UDS = re.compile(r" uds=(unix:\S+)")
 _ROUTER_READY = re.compile(r"k3serve router: listening on (http://\S+) metrics=(\S+)")
 
 
@@ -167,6 +171,36 @@ def _wait(procs: list[Proc], pattern: re.Pattern, deadline: float, progress: Pro
     return None
 
 
+def _wait_master(ns, port: int, master: Proc, deadline: float, progress: Progress, stopping) -> str | None:
+    """Wait until the master inside `ns` accepts connections (probed from a thread moved into `ns`)."""
+    import socket
+    import threading
+
+    def probe(out: list) -> None:
+        ns.enter()  # this thread only
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                out.append(True)
+        except OSError:
+            pass
+
+    while True:
+        if stopping():
+            return "interrupted"
+        if master.dead():
+            return f"mooncake-master exited with status {master.popen.returncode}:\n{master.tail()}"
+        out: list = []
+        t = threading.Thread(target=probe, args=(out,), daemon=True)
+        t.start()
+        t.join(2)
+        if out:
+            progress.line(f"{PROG}: mooncake-master ready (127.0.0.1:{port} inside the private namespace)")
+            return None
+        if time.monotonic() > deadline:
+            return "mooncake-master did not start in time:\n" + master.tail()
+        time.sleep(0.1)
+
+
 def _probe(url: str, model: str, api_key: str | None, deadline: float, stopping) -> str | None:
     """One real chat request through the gateway (the platform answers); None, or why not."""
     import httpx
@@ -186,13 +220,16 @@ def _probe(url: str, model: str, api_key: str | None, deadline: float, stopping)
     return f"the gateway did not answer a request: {last}"
 
 
-def _write_state(log_dir: Path, url: str, workers: list[Proc], roles: list[str], router: Proc) -> None:
+def _write_state(log_dir: Path, url: str, workers: list[Proc], roles: list[str], router: Proc,
+                 master: Proc | None = None) -> None:
     """`platform.json` in the log directory: what runs where (pids, addresses, logs), for scripts and tests."""
     import json
 
     state = {"url": url, "router": {"pid": router.popen.pid, "metrics": router.ready.group(2), "log": str(router.log)},
              "workers": [{"name": w.name, "role": r, "pid": w.popen.pid, "grpc": w.ready.group(1), "log": str(w.log),
                           "cmd": w.cmd} for w, r in zip(workers, roles)]}
+    if master is not None:  # --store: inside the private namespace, not reachable from the host
+        state["store"] = {"pid": master.popen.pid, "log": str(master.log)}
     (log_dir / "platform.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
 
 
@@ -202,8 +239,6 @@ def run(args: argparse.Namespace) -> int:
     if args.store and os.geteuid() != 0:
         return _fail("--store needs root: the Mooncake store's clients listen on all interfaces, so they run in a "
                      "private network namespace (unshare -n), which only root can create")
-    if args.store:
-        return _fail("--store is not available in this version yet (the workers' store connector is not wired)")
     for name in ("prefill", "decode", "workers"):
         v = getattr(args, name)
         if v is not None and v < 0:
@@ -241,6 +276,10 @@ def run(args: argparse.Namespace) -> int:
 
     platform = Platform()
     stop = {"flag": False}
+    ns = None
+    sock_dir = None
+    master = None
+    store_port = 50051  # inside the private namespace every port is free
 
     def on_signal(_sig, _frm):
         stop["flag"] = True
@@ -248,6 +287,24 @@ def run(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress()
     try:
+        if args.store:
+            import tempfile
+
+            from k3serve.kvstore.master import master_args, master_binary
+            from k3serve.kvstore.netns import NetnsError, PrivateNetns
+
+            try:
+                ns = PrivateNetns().start()
+            except NetnsError as e:
+                return _fail(f"--store: {e}")
+            sock_dir = tempfile.mkdtemp(prefix="k3up-")  # short: a socket path must stay under 108 bytes
+            master = Proc("mooncake-master", ns.argv([master_binary(), *master_args(
+                "127.0.0.1", store_port, "127.0.0.1", store_port + 1)]), log_dir / "mooncake-master.log")
+            master.start(env)
+            platform.procs.append(master)
+            why = _wait_master(ns, store_port, master, time.monotonic() + 30, progress, lambda: stop["flag"])
+            if why:
+                return 0 if why == "interrupted" else _fail(why, 1)
         counts: dict[str, int] = {}
         workers = []
         for role in roles:
@@ -263,6 +320,11 @@ def run(args: argparse.Namespace) -> int:
                 cmd += ["--max-model-len", str(args.max_model_len)]
             if args.dtype:
                 cmd += ["--dtype", args.dtype]
+            if ns is not None:
+                if not args.prefix_caching:
+                    return _fail("--store needs prefix caching (drop --no-prefix-caching)")
+                cmd += ["--kv-store", f"127.0.0.1:{store_port}", "--grpc-uds", os.path.join(sock_dir, f"{label}.sock")]
+                cmd = ns.argv(cmd)
             cmd += list(args.worker_arg)
             workers.append(Proc(label, cmd, log_dir / f"{label}.log"))
         progress.line(f"{PROG}: starting {len(workers)} worker(s) ({', '.join(sorted(set(roles)))}) on {model}; "
@@ -277,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
 
         addrs = {"both": [], "prefill": [], "decode": []}
         for w, role in zip(workers, roles):
-            addrs[role].append(w.ready.group(1))
+            uds = _WORKER_UDS.search(w.ready.string[w.ready.start():].splitlines()[0]) if ns is not None else None
+            addrs[role].append(uds.group(1) if uds else w.ready.group(1))
         rcmd = [*_python(), "router", "--model", model, "--host", args.host, "--port", str(args.port),
                 "--metrics-port", "0", "--policy", args.policy, "--served-model-name", name,
                 "--log-level", "warning"]
@@ -293,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         if why:
             return 0 if why == "interrupted" else _fail(why, 1)
         url = router.ready.group(1)
-        _write_state(log_dir, url, workers, roles, router)
+        _write_state(log_dir, url, workers, roles, router, master)
         api_key = None
         if args.api_key_file:
             with open(args.api_key_file, encoding="utf-8") as f:
@@ -324,3 +387,9 @@ def run(args: argparse.Namespace) -> int:
         if platform.procs:
             print(f"{PROG}: stopping...", flush=True)
         platform.stop()
+        if ns is not None:
+            ns.stop()
+        if sock_dir is not None:
+            import shutil
+
+            shutil.rmtree(sock_dir, ignore_errors=True)

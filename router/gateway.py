@@ -10,7 +10,7 @@ The request is validated, rendered (chat: the K3 renderer, `k3serve/chat/rendere
 with the same code as `k3serve serve`, so the router hashes exactly the token ids the worker will cache.
 Responses are built from the workers' deltas by the shared builders (`k3serve/openai_api/chat_output.py`,
 `completion_output.py`). `x-request-id` is taken from the request (or made) and returned on every
-response; `x-k3serve-worker` / `x-k3serve-prefill-worker` (P/D) / `x-k3serve-predicted-cached-tokens` tell where a
+response; `x-k3serve-worker` / `x-k3serve-prefill-worker` (P/D) / `x-k3serve-predicted-cached-tokens` / `x-k3serve-predicted-store-tokens` (the part only the store has) tell where a
 request went and the reusable prefix the router predicted there. A client that disconnects has its worker calls cancelled
 (the workers abort the requests). `request_timeout` bounds a whole request (504 `timeout`).
 """
@@ -257,7 +257,8 @@ async def _respond(gw: Gateway, request: Request, req, runs: list[Run], *, on_de
     headers = {}
     if len(runs) == 1 and runs[0].worker is not None:
         headers = {"x-k3serve-worker": runs[0].worker.address,
-                   "x-k3serve-predicted-cached-tokens": str(runs[0].predicted.usable)}
+                   "x-k3serve-predicted-cached-tokens": str(runs[0].predicted.usable),
+                   "x-k3serve-predicted-store-tokens": str(runs[0].predicted.store)}
         if runs[0].prefill_worker is not None:
             headers["x-k3serve-prefill-worker"] = runs[0].prefill_worker.address
     timing = {"first": None, "last": None}

@@ -235,8 +235,10 @@ class GrpcServer:
 
 async def start_grpc_server(engine: AsyncEngine, *, host: str = "127.0.0.1", port: int = 0, role: str = "both",
                             model_name: str, max_queued_batches: int = DEFAULT_MAX_QUEUED_BATCHES,
-                            max_events_per_message: int = MAX_EVENTS_PER_MESSAGE) -> GrpcServer:
-    """`max_queued_batches`: KV-event batches a subscriber may fall behind before it is dropped."""
+                            max_events_per_message: int = MAX_EVENTS_PER_MESSAGE,
+                            extra_addresses: tuple[str, ...] = ()) -> GrpcServer:
+    """`max_queued_batches`: KV-event batches a subscriber may fall behind before it is dropped.
+    `extra_addresses`: more listening addresses for the same service (e.g. `unix:/path`, `k3serve up --store`)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     service = WorkerService(engine, role=role, model_name=model_name, max_queued_batches=max_queued_batches,
                             max_events_per_message=max_events_per_message)
@@ -245,6 +247,10 @@ async def start_grpc_server(engine: AsyncEngine, *, host: str = "127.0.0.1", por
     if bound == 0:
         service.kv_events.close()
         raise OSError(f"could not bind gRPC on {host}:{port}")
+    for addr in extra_addresses:
+        if server.add_insecure_port(addr) == 0:
+            service.kv_events.close()
+            raise OSError(f"could not bind gRPC on {addr}")
     service.address = (host, bound)
     await server.start()
     return GrpcServer(server, bound, service)

@@ -26,6 +26,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--grpc-uds", default=None, metavar="PATH",
+                        help="also serve gRPC on the Unix-domain socket PATH (k3serve up --store reaches "
+                             "workers in a private network namespace this way)")
     parser.add_argument("--metrics-port", type=int, default=9100, help="0 picks a free port")
     # The parallel layout (--tensor-parallel-size, --data-parallel-size, --expert-parallel) and the store
     # address (--kv-store) are EngineArgs fields; what is not implemented is refused below with a clear message.
@@ -108,7 +111,8 @@ async def _serve(args: argparse.Namespace, msock) -> int:
     try:
         with exit_on_bind_error(args.host, args.grpc_port, flag="--grpc-port", prog=PROG):
             grpc_server = await start_grpc_server(engine, host=args.host, port=args.grpc_port, role=args.role,
-                                                  model_name=served.model_names[0])
+                                                  model_name=served.model_names[0],
+                                                  extra_addresses=(f"unix:{args.grpc_uds}",) if args.grpc_uds else ())
     except BaseException:
         engine.shutdown()
         raise
@@ -141,7 +145,8 @@ async def _serve(args: argparse.Namespace, msock) -> int:
                                       topic=args.kv_events_zmq_topic, fmt=args.kv_events_zmq_format)
     mhost, mport = msock.getsockname()[:2]
     print(f"k3serve worker: ready grpc={args.host}:{grpc_server.port} metrics=http://{mhost}:{mport} "
-          f"role={args.role} model={served.model_names[0]}", flush=True)
+          f"role={args.role} model={served.model_names[0]}"
+          + (f" uds=unix:{args.grpc_uds}" if args.grpc_uds else ""), flush=True)
     try:
         await asyncio.wait({asyncio.ensure_future(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:
