@@ -22,7 +22,7 @@ import pytest
 MAX_LEN = 1024
 PREFIX = "You are a helpful assistant. " * 30  # ~750 tokens: several 240-token blocks
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="--store needs root (a private network namespace)")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="--store needs root (a private network namespace)")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,7 @@ def _store_lookup(addr, prompt_ids):
         return pb_grpc.WorkerStub(ch).StoreLookup(pb.StoreLookupRequest(prompt_token_ids=prompt_ids), timeout=5)
 
 
+@needs_root
 def test_store_hit_on_the_other_worker_equals_offline(platform, offline):
     url, state = platform["url"], platform["state"]
     assert "store" in state and all(w["cmd"][0] == "nsenter" for w in state["workers"])
@@ -122,6 +123,7 @@ def test_store_hit_on_the_other_worker_equals_offline(platform, offline):
     assert re.search(r'k3serve_router_hit_tokens_total\{[^}]*source="store"[^}]*\} [1-9]', metrics), metrics
 
 
+@needs_root
 def test_master_killed_requests_still_succeed(platform, offline):
     url, state = platform["url"], platform["state"]
     os.killpg(state["store"]["pid"], signal.SIGKILL)
@@ -140,3 +142,58 @@ def _socks(state):
 def _router_metrics(state):
     m = state["router"]["metrics"]
     return (m if m.startswith("http") else "http://" + m).rstrip("/") + ("" if m.endswith("/metrics") else "/metrics")
+
+
+def test_store_lookup_is_bounded_and_no_store_stops_asking():
+    """The router's one StoreLookup per request: a worker that answers too slowly counts as 0 within the
+    timeout; NO_STORE marks the worker storeless (no further lookups); OK gives the store's tokens."""
+    import asyncio
+
+    import grpc
+
+    from k3serve.proto import worker_pb2 as pb
+    from k3serve.proto import worker_pb2_grpc as pb_grpc
+    from k3serve.router.dispatch import Dispatcher
+    from k3serve.router.policy import make_policy
+    from k3serve.router.registry import Worker
+
+    class Svc(pb_grpc.WorkerServicer):
+        def __init__(self):
+            self.mode, self.calls = "slow", 0
+
+        async def StoreLookup(self, request, context):
+            self.calls += 1
+            if self.mode == "slow":
+                await asyncio.sleep(2.0)
+            status = pb.StoreLookupResponse.NO_STORE if self.mode == "none" else pb.StoreLookupResponse.OK
+            return pb.StoreLookupResponse(status=status, num_tokens=len(request.prompt_token_ids) // 2)
+
+    class Reg:
+        def __init__(self, w):
+            self.workers = {w.address: w}
+
+    async def main():
+        svc = Svc()
+        server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(svc, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        w = Worker(f"127.0.0.1:{port}", "both", 0, ch, pb_grpc.WorkerStub(ch), healthy=True)
+        d = Dispatcher(Reg(w), None, make_policy("hybrid-prefix"), fingerprint=b"x", unit=16, metrics=None,
+                       model_name="m", store_timeout=0.2)
+        try:
+            t0 = time.perf_counter()
+            assert await d.store_hit(list(range(64)), None) == 0
+            assert time.perf_counter() - t0 < 0.6
+            svc.mode = "ok"
+            assert await d.store_hit(list(range(64)), None) == 32 and w.has_store is True
+            svc.mode = "none"
+            assert await d.store_hit(list(range(64)), None) == 0 and w.has_store is False
+            calls = svc.calls
+            assert await d.store_hit(list(range(64)), None) == 0 and svc.calls == calls
+        finally:
+            await ch.close()
+            await server.stop(None)
+
+    asyncio.run(main())
