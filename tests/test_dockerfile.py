@@ -290,6 +290,11 @@ def test_worker_runs_on_a_read_only_root_with_the_image_environment(tmp_path, ti
     env["K3SERVE_SERVED_MODEL_NAME"] = "k3-tiny"
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     port = _free_port()
+    # the checkout and its venv stay visible (read-only) when they live under a tmpfs'd path (a CI clone in /tmp)
+    hidden = {Path(p).resolve() for p in (Path(__file__).resolve().parents[1], sys.prefix, sys.base_prefix)}
+    keep = "\n".join(f'mkdir -p "$R{q}" && mount --bind {q} "$R{q}" && mount -o remount,bind,ro "$R{q}"'
+                     for q in (shlex.quote(str(h)) for h in sorted(hidden)
+                               if any(h.is_relative_to(m) for m in ("/tmp", "/var/cache"))))
     script = f"""
 set -e
 R={shlex.quote(str(tmp_path / "root"))}
@@ -300,6 +305,7 @@ mount --bind {shlex.quote(str(tiny_model_dir))} "$R/srv"
 mount -o remount,bind,ro "$R/srv"
 mount -t tmpfs tmpfs "$R/tmp"
 mount -t tmpfs tmpfs "$R/var/cache"
+{keep}
 if touch "$R/usr/k3serve-probe" 2>/dev/null; then echo "root is writable"; exit 3; fi
 exec chroot "$R" /usr/bin/env -i {exports} sh -c 'mkdir -p /var/cache/k3serve && cd /var/cache/k3serve && \
   exec python -m k3serve.cli worker --model /srv --grpc-port 0 --metrics-port {port} --num-threads 1 \
