@@ -55,6 +55,7 @@ HAND_WRITTEN: dict[str, dict[str, str]] = {
         "--model": "checkpoint directory (becomes EngineArgs.model; spelled as the pod contract does)",
         "--role": "prefill | decode | both: which half of the P/D split this process serves",
         "--host": "bind address of the gRPC and metrics servers", "--grpc-port": "gRPC port",
+        "--grpc-uds": "an extra gRPC listener on a Unix-domain socket (k3serve up --store)",
         "--metrics-port": "/metrics, /health and /ready port",
         "--num-threads": "torch CPU threads of the process", "--log-level": "process logging",
         **_ZMQ,
