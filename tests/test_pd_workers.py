@@ -93,10 +93,12 @@ def workers(models):
     finally:
         for w in out.values():
             w.channel.close()
-        for p in procs.values():
+        # a test may have replaced a worker's process (a restart): stop those too
+        alive = list(procs.values()) + [w.proc for w in out.values() if w.proc not in procs.values()]
+        for p in alive:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in procs.values():
+        for p in alive:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
