@@ -19,6 +19,7 @@ import time
 import httpx
 import openai
 import pytest
+from _up import running_up
 
 MAX_LEN = 1024
 PREFIX = "You are a helpful assistant. " * 20  # long shared prefix: several 240-token blocks
@@ -37,37 +38,8 @@ def _wait(pred, timeout, what):
 @pytest.fixture(scope="module")
 def platform(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-logs")
-    env = dict(os.environ, PYTHONSAFEPATH="1")
-    cmd = [sys.executable, "-m", "k3serve.cli", "up", "--model", str(tiny_model_dir), "--workers", "2", "--port", "0",
-           "--log-dir", str(logs), "--max-model-len", str(MAX_LEN), "--dtype", "float64", "--num-threads", "1",
-           "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    url = None
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"API is at (http://\S+)/v1", line)
-        if m:
-            url = m.group(1)
-            break
-    if url is None:
-        proc.kill()
-        pytest.fail("k3serve up did not come up:\n" + "".join(lines))
-    import threading
-
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    state = json.loads((logs / "platform.json").read_text())
-    yield {"url": url, "proc": proc, "state": state, "lines": lines, "model_dir": tiny_model_dir}
-    proc.send_signal(signal.SIGINT)
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with running_up(tiny_model_dir, logs, "--workers", "2", max_model_len=MAX_LEN) as up:
+        yield dict(up, model_dir=tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,15 @@ worker killed mid-stream -> the stream completes with the same tokens on the oth
 worker killed -> new requests still succeed (the other prefill worker, or the decode worker computes).
 """
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
+from _up import running_up
 
 MAX_LEN = 1024
 
@@ -38,34 +35,9 @@ def platform(tiny_model_dir, tmp_path_factory):
     if not pd_roles_available():
         pytest.skip("this version's workers have no prefill/decode roles")
     logs = tmp_path_factory.mktemp("up-pd")
-    cmd = [sys.executable, "-m", "k3serve.cli", "up", "--model", str(tiny_model_dir), "--prefill", "2", "--decode",
-           "2", "--port", "0", "--log-dir", str(logs), "--max-model-len", str(MAX_LEN), "--dtype", "float64",
-           "--num-threads", "1", "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONSAFEPATH="1"))
-    url, lines = None, []
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"API is at (http://\S+)/v1", line)
-        if m:
-            url = m.group(1)
-            break
-    if url is None:
-        proc.kill()
-        pytest.fail("k3serve up did not come up:\n" + "".join(lines))
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    state = json.loads((logs / "platform.json").read_text())
-    yield {"url": url, "state": state}
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with running_up(tiny_model_dir, logs, "--prefill", "2", "--decode", "2", max_model_len=MAX_LEN,
+                    start_timeout=300, stop_timeout=60, check_exit=False) as up:
+        yield up
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,14 @@ cached_tokens), and the greedy output equals the offline engine's (float64). Kil
 the next requests still succeed with the same outputs.
 """
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
+from _up import running_up
 
 MAX_LEN = 1024
 PREFIX = "You are a helpful assistant. " * 30  # ~750 tokens: several 240-token blocks
@@ -28,34 +25,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="--store needs root (a
 @pytest.fixture(scope="module")
 def platform(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("up-store-logs")
-    env = dict(os.environ, PYTHONSAFEPATH="1")
-    cmd = [sys.executable, "-m", "k3serve.cli", "up", "--store", "--model", str(tiny_model_dir), "--workers", "2",
-           "--port", "0", "--log-dir", str(logs), "--max-model-len", str(MAX_LEN), "--dtype", "float64",
-           "--num-threads", "1", "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, url = [], None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"API is at (http://\S+)/v1", line)
-        if m:
-            url = m.group(1)
-            break
-    if url is None:
-        proc.kill()
-        pytest.fail("k3serve up --store did not come up:\n" + "".join(lines))
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    state = json.loads((logs / "platform.json").read_text())
-    yield {"url": url, "proc": proc, "state": state, "lines": lines}
-    proc.send_signal(signal.SIGINT)
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with running_up(tiny_model_dir, logs, "--store", "--workers", "2", max_model_len=MAX_LEN,
+                    start_timeout=120) as up:
+        yield up
 
 
 @pytest.fixture(scope="module")
