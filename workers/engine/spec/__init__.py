@@ -1,0 +1,1 @@
+"""Speculative decoding in the engine: config, proposers (ngram, MTP), rollback schemes, acceptance."""
