@@ -79,9 +79,10 @@ def resolve_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, kv_connectors: list[KVConnector] | None = None):
+    def __init__(self, args: EngineArgs, kv_connectors: list[KVConnector] | None = None, *, dp=None):
         """`kv_connectors`: pre-built connectors appended after those named by `args` (tests; the
-        composition rules are in docs/architecture.md, "KV connector API")."""
+        composition rules are in docs/architecture.md, "KV connector API"). `dp`: this engine's place in a
+        DEP group (workers/engine/parallel/dp_engine.py DPContext); `from_args` builds the group's front."""
         from k3serve.tokenizer import K3Tokenizer
         from k3serve.workers.model.loader import load_model_weights
 
@@ -105,7 +106,15 @@ class LLMEngine:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         self.served_model_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
         tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
-        if tp != 1 or int(getattr(args, "data_parallel_size", 1) or 1) != 1:  # workers/engine/parallel/
+        self.dp = dp
+        if int(getattr(args, "data_parallel_size", 1) or 1) != 1:  # one rank of a DEP group
+            if dp is None:
+                raise ValueError("data_parallel_size > 1: build the engine with LLMEngine.from_args (the DEP "
+                                 "group's front, workers/engine/parallel/dp_front.py)")
+            from k3serve.workers.engine.parallel.dp_engine import check_dp_layout
+
+            check_dp_layout(cfg, args)
+        elif tp != 1:  # workers/engine/parallel/
             from k3serve.workers.engine.parallel.shard import check_layout
 
             check_layout(cfg, args)  # a layout that cannot shard the model: one clear error, no rank started
@@ -136,7 +145,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                                    connector=self.connector.scheduler if self.connector else None)
-        if tp > 1:  # rank 0 of a tensor-parallel group (workers/engine/parallel/launcher.py)
+        if dp is not None:  # a DEP rank: attention TP=1, routed experts expert-parallel over the group
+            from k3serve.workers.engine.parallel.dp_engine import start_dp_runner
+
+            self.runner = start_dp_runner(dp, args, cfg, weights, layout, num_blocks, self.dtype, self.max_model_len)
+        elif tp > 1:  # rank 0 of a tensor-parallel group (workers/engine/parallel/launcher.py)
             from k3serve.workers.engine.parallel.launcher import start_parallel_runner
 
             self.runner = start_parallel_runner(args, cfg, weights, layout, num_blocks, self.dtype,
@@ -171,6 +184,10 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
+        if int(getattr(args, "data_parallel_size", 1) or 1) > 1:  # one engine over M data-parallel ranks
+            from k3serve.workers.engine.parallel.dp_front import DPEngine
+
+            return DPEngine(args)
         return cls(args)
 
     def _kv_budget(self, spec, minimum: int) -> int:
@@ -320,6 +337,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         conn = self.connector
         if sched.is_empty and conn is None:
+            if self.dp is not None:  # a DEP rank with nothing to run still serves its experts to the others
+                self.runner.idle_step()
             self.scheduler.end_step()
             self._publish_events()
             return outputs

@@ -1,0 +1,117 @@
+"""DEP: the engine's K3 forward on one data-parallel rank, with the routed experts expert-parallel.
+
+Attention, embedding, LM head, dense MLPs, shared experts, the router and the latent down/up projections
+run at TP=1 on the rank's own tokens (its own requests); only the routed experts are sharded over the M
+data-parallel ranks (whole experts: rank r holds `ExpertMap.physical[r]`, workers/engine/parallel/shard.py).
+So the one place the ranks meet is each MoE layer's expert computation, and every rank must take part in
+every forward pass: one with no tokens of its own runs `idle()` (no cache is read or written) and still
+computes its experts for the other ranks' tokens.
+
+Dispatch and combine (naive form, no all-to-all): one all-gather of the per-rank token counts per forward
+pass; per MoE layer, the latent inputs and the routing (slots as float64, exact) padded to the largest
+count and all-gathered, so every rank holds every rank's tokens; each rank computes its own experts' share
+of all of them (ids of experts it does not hold become -1 and are skipped), one all-reduce sums the shares
+and each rank keeps its own rows. Token counts are ragged (0 included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from k3serve.kernels import ops
+from k3serve.workers.engine.k3_forward import K3ForwardModel
+from k3serve.workers.engine.parallel.group import RankGroup
+from k3serve.workers.engine.parallel.shard import ExpertMap
+from k3serve.workers.model.functional import LayerWeights, linear
+
+
+def dep_shard(cfg, weights: dict[str, torch.Tensor], rank: int, size: int, dtype: torch.dtype):
+    """(rank config, this rank's weights, expert map): every weight replicated but the routed experts,
+    of which the rank keeps its own (MXFP4 experts are dequantized first, as the CPU forward does)."""
+    if cfg.experts_mxfp4:
+        from k3serve.workers.model.reference import dequantize_experts
+
+        weights = dequantize_experts(weights, dtype)
+    emap = ExpertMap.contiguous(cfg.num_experts, size)
+    mine = torch.tensor(emap.physical[rank], dtype=torch.long)
+    out = {}
+    for name, t in weights.items():
+        if ".block_sparse_moe.experts." in name:
+            t = t.index_select(0, mine).contiguous()
+        out[name] = t
+    return dataclasses.replace(cfg, experts_mxfp4=False), out, emap
+
+
+class DEPForwardModel(K3ForwardModel):
+    def __init__(self, config, weights, layout, kv, dtype, *, group: RankGroup, expert_map: ExpertMap):
+        self.group = group
+        self.expert_index = expert_map.local_index(group.rank)  # logical expert -> slot here, -1 elsewhere
+        self.counts: list[int] = [0] * group.size  # tokens of each rank in the current forward pass
+        super().__init__(config, weights, layout, kv, dtype)
+
+    def _exchange_counts(self, n: int) -> None:
+        self.counts = self.group.all_gather_cat(torch.tensor([n], dtype=torch.long), dim=0).tolist()
+
+    def forward(self, b):
+        self._exchange_counts(int(b.input_ids.shape[0]))
+        return super().forward(b)
+
+    @torch.inference_mode()
+    def idle(self) -> None:
+        """A forward pass with no tokens of this rank: only the MoE layers' expert work for the others."""
+        self._exchange_counts(0)
+        cfg = self.cfg
+        din = cfg.routed_expert_hidden_size or cfg.hidden_size
+        k = cfg.num_experts_per_token
+        for i in range(cfg.num_hidden_layers):
+            if cfg.is_moe_layer(i):
+                w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
+                self._routed(w, torch.zeros(0, din, dtype=self.dtype), torch.zeros(0, k, dtype=self.acc),
+                             torch.zeros(0, k, dtype=torch.long))
+
+    def _routed(self, w: LayerWeights, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every routed expert's share for this rank's tokens `z` [T, D] (the naive dispatch/combine above)."""
+        cfg, g = self.cfg, self.group
+        w2 = w["experts.w2"]
+        T, tmax = z.shape[0], max(self.counts)
+        if tmax == 0:  # no rank has a token: the same decision on every rank, no collective
+            return z.new_zeros(0, w2.shape[1])
+        k = ids.shape[1]
+        pad = tmax - T
+        meta = torch.cat([ids.to(torch.float64), weights.to(torch.float64)], dim=1)
+        if pad:
+            z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
+            meta = torch.cat([meta, torch.cat([meta.new_full((pad, k), -1.0), meta.new_zeros(pad, k)], 1)])
+        zs = g.all_gather_cat(z, dim=0)  # [M * tmax, D], rank r's rows at [r * tmax, r * tmax + counts[r])
+        metas = g.all_gather_cat(meta, dim=0)
+        gids = metas[:, :k].long()
+        slots = torch.where(gids >= 0, self.expert_index[gids.clamp(min=0)], -1)
+        out = ops.moe_experts(zs, metas[:, k:].to(weights.dtype), slots, w13=w["experts.w13"], w2=w2,
+                              activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
+                              situ_linear_beta=cfg.situ_linear_beta)
+        out = g.all_reduce(out)
+        start = g.rank * tmax
+        return out[start:start + T]
+
+    def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """K3ForwardModel._moe with the routed experts through `_routed`."""
+        cfg = self.cfg
+        w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
+        logits = linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"])
+        weights, ids = ops.moe_route(
+            logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
+            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
+            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
+            scoring=cfg.router_activation)
+        parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
+        z = parts.pop(0) if cfg.routed_expert_hidden_size else x
+        r = self._routed(w, z, weights, ids)
+        if cfg.routed_expert_hidden_size:
+            if cfg.latent_moe_use_norm:
+                r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
+            r = linear(r, w["routed_expert_up_proj.weight"])
+        if cfg.num_shared_experts:
+            r = r + self._dense_mlp(w.sub("shared_experts."), parts[0])
+        return r
