@@ -14,12 +14,19 @@ captured CUDA graphs by default on CUDA; pass --enforce-eager to compare without
 batch size runs first as warm-up (Triton compiles, graph captures), outside the timed region.
 `--profile` adds, per batch size, the GPU kernels of one timed generate (µs per decode step) and the host's
 share of a step (wall time per step minus kernel time per step).
+
+`--breakdown` splits a graph-replayed decode step three ways, per batch size: (1) the GPU's own time, by
+replaying the captured graph alone back to back (kernels + the gaps between the graph's kernels, no host
+work); (2) the kernels' time and count per step (profiler); (3) the host's phases of a real step, timed by
+wrapping the engine's own calls (scheduler.schedule, the runner's input preparation, the graph launch, the
+sampler including its wait for the GPU, scheduler.update_from_output, the rest of `step()`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -65,15 +72,107 @@ def step_bytes(cfg, weights: dict, batch: int, ctx: int) -> float:
     return other + n_moe * active * per_expert + batch * (kda_layers * state + mla_layers * mla)
 
 
+class _PhaseTimer:
+    """Wraps callables of live engine objects with host-clock timers (each call's seconds, per phase)."""
+
+    def __init__(self):
+        self.t: dict[str, list[float]] = {}
+        self._undo: list = []
+
+    def wrap(self, obj, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+        own = obj.__dict__.get(name, _PhaseTimer)  # an instance attribute (e.g. the sampler object) to restore
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.t.setdefault(phase, []).append(time.perf_counter() - t0)
+
+        setattr(obj, name, timed)
+        self._undo.append((obj, name, own))
+
+    def undo(self) -> None:
+        for obj, name, own in reversed(self._undo):
+            if own is _PhaseTimer:
+                delattr(obj, name)  # the class's method shows through again
+            else:
+                setattr(obj, name, own)
+        self._undo.clear()
+
+
+def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float) -> None:
+    """Prints where a graph-replayed decode step of batch B goes (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    runner = eng.runner
+    size = next(c for c in runner.capture_sizes if c >= B)
+    g = runner.graphs.get(size)
+    if g is None:
+        print(f"# breakdown B={B}: no captured graph of size {size}")
+        return
+    # (1) the graph alone, replayed back to back (its inputs are whatever the last real step left)
+    for _ in range(3):
+        g.graph.replay()
+    torch.cuda.synchronize()
+    reps = 50
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.graph.replay()
+    torch.cuda.synchronize()
+    replay_us = (time.perf_counter() - t0) / reps * 1e6
+    # (2) kernels of one replay: time and count
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            g.graph.replay()
+        torch.cuda.synchronize()
+    kt, kn = 0.0, 0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kt += getattr(ev, "device_time_total", None) or ev.cuda_time_total
+            kn += 1
+    kt, kn = kt / 5, kn / 5
+    # (3) the host's phases of real steps
+    pt = _PhaseTimer()
+    pt.wrap(eng, "step", "step")
+    pt.wrap(eng.scheduler, "schedule", "schedule")
+    pt.wrap(eng.scheduler, "update_from_output", "update_from_output")
+    pt.wrap(runner.inputs, "prepare_decode", "prepare_decode")
+    pt.wrap(runner, "execute", "execute")
+    pt.wrap(g.graph, "replay", "replay (launch)")
+    pt.wrap(eng, "sampler", "sampler (incl. GPU wait)")
+    try:
+        llm.generate(prompts, spn)
+        torch.cuda.synchronize()
+    finally:
+        pt.undo()
+    nrep = len(pt.t.get("replay (launch)", []))
+    if not nrep:
+        print(f"# breakdown B={B}: no decode step replayed the graph")
+        return
+    print(f"# breakdown B={B} (graph size {size}): step {step_us:.0f} µs wall; graph replayed alone "
+          f"{replay_us:.0f} µs = kernels {kt:.0f} µs ({kn:.0f} kernels) + in-graph gaps {replay_us - kt:.0f} µs "
+          f"({(replay_us - kt) / max(kn, 1):.2f} µs per kernel); outside the graph {step_us - replay_us:.0f} µs")
+    # one call of each phase per step: the median over the steps leaves out the prefill step
+    per = {k: 1e6 * statistics.median(v) for k, v in pt.t.items()}
+    print(f"#   host phases, median µs per step over {len(pt.t['step'])} steps ({nrep} graph replays): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in per.items()), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--modes", nargs="+", choices=["graphs", "eager"], default=["graphs", "eager"],
-                    help="decode with captured CUDA graphs and/or eagerly (one generated model for both)")
+    ap.add_argument("--modes", nargs="+", choices=["graphs", "graphs-cublas", "eager"], default=["graphs", "eager"],
+                    help="decode with captured CUDA graphs and/or eagerly (one generated model for all); "
+                         "graphs-cublas: graphs with every projection on cuBLAS (the skinny GEMM off)")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode steps")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="graph replay alone, kernel count, and the host's phases of a decode step")
     args = ap.parse_args()
     from k3serve.sampling_params import SamplingParams
     from k3serve.workers.llm import LLM
@@ -85,7 +184,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         cfg = make_model(d, "small", device="cuda")
         rows = []
+        from k3serve.kernels import triton_ops
+
         for mode in modes:
+            triton_ops.SKINNY_GEMM = mode != "graphs-cublas"
             llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                       max_model_len=args.prompt + args.steps + 8, enforce_eager=mode == "eager")
             weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
@@ -108,6 +210,8 @@ def main() -> int:
                 rows.append((mode, B, tok_s, roof))
                 print(f"# {mode} B={B}: {1e3 * dec / args.steps:.2f} ms per decode step "
                       f"(graph replays so far {llm.engine.runner.num_static_decode_steps})", flush=True)
+                if args.breakdown and mode != "eager":
+                    breakdown(llm, prompts, spn, B, args.steps, 1e6 * dec / args.steps)
                 if args.profile and mode == modes[0]:
                     k_pre = kernel_breakdown(f"B={B} prefill only", lambda p=prompts, s=sp1, e=llm: e.generate(p, s), 1,
                                              top=5)

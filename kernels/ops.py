@@ -66,6 +66,10 @@ def _impl(name: str, tensor: torch.Tensor) -> Callable:
     return getattr(reference, name)
 
 
+def linear(x, weight, dtype=None):
+    return _impl("linear", x)(x, weight, dtype)
+
+
 def rms_norm(x, weight, eps):
     return _impl("rms_norm", x)(x, weight, eps)
 

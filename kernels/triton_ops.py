@@ -7,6 +7,7 @@ the op's contract. Importing this module needs triton (the dispatcher treats its
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,7 @@ from . import reference
 from .ops import register_impl
 from .triton import attn_res as _ar
 from .triton import conv as _cv
+from .triton import gemv as _gemv
 from .triton import kda_chunk as _kc
 from .triton import kda_decode as _kd
 from .triton import kda_recurrent as _kr
@@ -22,6 +24,11 @@ from .triton import mla_cache as _mlc
 from .triton import mla_decode as _mla
 from .triton import moe as _moe
 from .triton import pointwise as _pw
+
+SKINNY_GEMM = os.environ.get("K3SERVE_SKINNY_GEMM", "1") != "0"
+"""Decode-sized projections (M <= 16 rows) go to the Triton skinny GEMM (kernels/triton/gemv.py); False (or
+K3SERVE_SKINNY_GEMM=0) keeps every projection on cuBLAS. Read at each call, so a benchmark can measure both
+in one process (benchmarks/decode_roofline.py --compare-skinny)."""
 
 
 def _kda_chunked(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, **kw):
@@ -87,6 +94,12 @@ def _moe_experts(z, topk_weights, topk_ids, **kw):
     return _moe.moe_experts_triton(z, topk_weights, topk_ids, **kw)
 
 
+def _linear(x, weight, dtype=None):
+    if SKINNY_GEMM and _gemv.supported(x, weight, dtype):
+        return _gemv.skinny_linear_triton(x, weight, dtype)
+    return reference.linear(x, weight, dtype)
+
+
 def _rms_norm(x, weight, eps):
     if not _pw.supported(x) or (weight is not None and weight.device != x.device):
         return reference.rms_norm(x, weight, eps)
@@ -112,6 +125,7 @@ IMPLS: dict[str, Callable] = {
     "mla_write_cache": _mla_write_cache,
     "moe_route": _moe_route,
     "moe_experts": _moe_experts,
+    "linear": _linear,
     "rms_norm": _rms_norm,
     "silu_and_mul": _silu_and_mul,
     "situ_and_mul": _situ_and_mul,

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (the `device` tool), carrying `.whl` (fla_core). Steps, in order given:
 #   tests      tests/gpu (kernels vs references, the engine end to end on CUDA, the small preset)
-#   roofline   benchmarks/decode_roofline.py with CUDA graphs, then --enforce-eager
+#   roofline   benchmarks/decode_roofline.py (ROOFLINE_ARGS, default --profile: CUDA graphs, then eager)
 #   profile    benchmarks/kernel_profile.py (per-kernel breakdown)
-#   sweeps     every benchmarks/sweep_*.py (kernel variants and knobs; each stopped after SWEEP_TIMEOUT s, default 100)
+#   sweeps     every benchmarks/sweep_*.py, or the files in SWEEPS (kernel variants and knobs; each stopped after
+#              SWEEP_TIMEOUT s, default 100; SWEEP_ARGS adds arguments)
 #   bench      benchmarks/kernels.py (full table; BENCH_ARGS adds arguments)
 # Logs go to $OUT/<step>.log.
 set -uo pipefail
@@ -16,10 +17,10 @@ for step in "$@"; do
   t=$(date +%s)
   case $step in
     tests) python3 -m pytest ${TESTS:-tests/gpu} -q -p no:cacheprovider --timeout 300 -rs -s --durations=12 2>&1 | tee "$OUT/tests.log" | grep -v "^$" | tail -40 ;;
-    roofline) python3 benchmarks/decode_roofline.py --profile 2>&1 | tee "$OUT/roofline.log" ;;
+    roofline) python3 benchmarks/decode_roofline.py ${ROOFLINE_ARGS:---profile} 2>&1 | tee "$OUT/roofline.log" ;;
     profile) python3 benchmarks/kernel_profile.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
-    sweeps) for f in benchmarks/sweep_*.py; do n=$(basename "$f" .py); echo "## $n";
-              timeout ${SWEEP_TIMEOUT:-100} python3 "$f" 2>&1 | tee "$OUT/$n.log"; done ;;
+    sweeps) for f in ${SWEEPS:-benchmarks/sweep_*.py}; do n=$(basename "$f" .py); echo "## $n";
+              timeout ${SWEEP_TIMEOUT:-100} python3 "$f" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/$n.log"; done ;;
     bench) python3 benchmarks/kernels.py --tsv "$OUT/bench.tsv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -11,12 +11,14 @@ from .kda_chunked import kda_chunked
 from .kda_decode import kda_decode
 from .kda_gate import kda_gate
 from .kda_recurrent import kda_recurrent
+from .linear import linear
 from .mla import mla_attention_expanded, mla_paged_attention, mla_write_cache
 from .moe_experts import moe_experts
 from .moe_route import moe_route
 from .norms import l2_normalize, rms_norm
 
 OPS = (
+    "linear",
     "rms_norm",
     "l2_normalize",
     "situ_and_mul",
@@ -44,6 +46,7 @@ __all__ = [
     "kda_gate",
     "kda_recurrent",
     "l2_normalize",
+    "linear",
     "mla_attention_expanded",
     "mla_paged_attention",
     "mla_write_cache",

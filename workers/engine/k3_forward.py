@@ -14,7 +14,11 @@ import torch
 from k3serve.kernels import ops
 from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
 from k3serve.workers.engine.forward_batch import ForwardBatch
-from k3serve.workers.model.functional import LayerWeights, acc_dtype, linear, rope_interleaved
+from k3serve.workers.model.functional import LayerWeights, acc_dtype, rope_interleaved
+
+# the projections: `functional.linear` on the CPU; on CUDA decode-sized ones (<= 16 rows) take the skinny GEMM
+# (kernels/triton/gemv.py); the optional third argument is the compute dtype, the operands' cast folded in
+linear = ops.linear
 
 
 class K3ForwardModel:
@@ -27,6 +31,8 @@ class K3ForwardModel:
         self.dtype = dtype
         self.acc = acc_dtype(dtype)
         self.layer_map = layout.layer_map()
+        self.keep_hidden = False  # speculative decoding (MTP): keep the pre-final-norm states of every row
+        self.hidden: torch.Tensor | None = None  # [T, H] of the last forward when keep_hidden
         self.group_index = {}  # group_id -> index among groups of its kind
         for kind_groups in (layout.mla_groups, layout.kda_groups):
             for i, g in enumerate(kind_groups):
@@ -120,15 +126,18 @@ class K3ForwardModel:
                                b_logit.contiguous(), gate, w["o_norm.weight"], self.kv.ssm_view(j),
                                b.state_indices[gi], b.has_initial_state, lower_bound=cfg.gate_lower_bound,
                                scale=d ** -0.5, eps=cfg.rms_norm_eps)
-            return linear(y.reshape(T, P).to(x.dtype), w["o_proj.weight"])
-        ck = self._ckpt(b, gi)
-        qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
-                                       b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
-        q, k, v = (t.reshape(T, h, d) for t in qkv.split(P, dim=-1))
-        g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
-        beta = torch.sigmoid(b_logit.to(self.acc))
-        o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
-                            b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
+            return linear(y.reshape(T, P), w["o_proj.weight"], x.dtype)
+        if b.spec is not None and b.spec.kda_mix is not None:  # a rollback scheme's verify (spec/rollback.py)
+            o = b.spec.kda_mix(self, i, j, gi, qkv, raw_g, b_logit, b)
+        else:
+            ck = self._ckpt(b, gi)
+            qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
+                                           b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
+            q, k, v = (t.reshape(T, h, d) for t in qkv.split(P, dim=-1))
+            g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
+            beta = torch.sigmoid(b_logit.to(self.acc))
+            o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
+                                b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
         o = ops.rms_norm(o.to(self.acc), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps)
         o = (o * torch.sigmoid(gate.view(T, h, d).to(self.acc))).to(x.dtype)
         return linear(o.reshape(T, P), w["o_proj.weight"])
@@ -183,7 +192,7 @@ class K3ForwardModel:
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
-        logits = linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"])
+        logits = linear(x, self.acc_w[w.prefix + "gate.weight"], self.acc)
         weights, ids = ops.moe_route(
             logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
             num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
@@ -266,6 +275,8 @@ class K3ForwardModel:
                 delta = self._mlp(i, y)
             h = ops.attn_res(partial, delta, blocks, W["model.output_attn_res_norm.weight"],
                              W["model.output_attn_res_proj.weight"], None, nb, -1, eps, round_dtype=round_dtype)
+        if self.keep_hidden:
+            self.hidden = h
         h = h[b.logits_indices]
         h = ops.rms_norm(h, W["model.norm.weight"], eps)
         return self._logits(h)
