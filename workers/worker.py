@@ -42,6 +42,12 @@ def unsupported_layout(args: argparse.Namespace) -> str | None:
     """Why this process cannot run the requested layout yet, or None."""
     if args.data_parallel_size != 1:
         return f"--data-parallel-size {args.data_parallel_size}: data parallelism is not implemented yet (only 1)"
+    from k3serve.workers.engine.parallel.nodes import layout_problem  # groups spanning nodes
+
+    nodes_problem = layout_problem(args.tensor_parallel_size, args.nnodes, args.node_rank)
+    if nodes_problem:
+        return nodes_problem.replace("nnodes", "--nnodes").replace("node_rank", "--node-rank").replace(
+            "tensor_parallel_size", "--tensor-parallel-size")
     if args.tensor_parallel_size != 1 and args.role != "both":  # tensor parallel: workers/engine/parallel/
         return (f"--tensor-parallel-size {args.tensor_parallel_size} with --role {args.role}: P/D transfers from "
                 "a multi-rank worker are not implemented yet (only --role both)")
@@ -172,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"k3serve worker: {problem}", flush=True)
         return 2
+    if args.node_rank > 0:  # a non-leader node of a group: ranks only (workers/engine/parallel/node_process.py)
+        from k3serve.workers.engine.parallel.node_process import run_node
+
+        return run_node(args, bind_or_exit(args.host, args.metrics_port, flag="--metrics-port", prog=PROG))
     add_role_connectors(args)
     # both ports are checked before the engine loads (minutes for a real checkpoint)
     msock = bind_or_exit(args.host, args.metrics_port, flag="--metrics-port", prog=PROG)

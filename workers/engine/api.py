@@ -75,6 +75,26 @@ def arg(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, c
     return field(default=default, metadata=meta)
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number >= 0, got {text!r}") from None
+    if n < 0:
+        raise ValueError(f"expected a whole number >= 0, got {n}")
+    return n
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"expected a port number, got {text!r}") from None
+    if not 1 <= n <= 65535:
+        raise ValueError(f"expected a port in 1..65535, got {n}")
+    return n
+
+
 def positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -212,3 +232,11 @@ class EngineArgs:
     enable_expert_parallel: bool = arg(
         False, "shard the routed experts over the ranks (whole experts) instead of slicing each one",
         flag="--expert-parallel")  # the pod contract's spelling (docs/components.md)
+    # Rank groups spanning nodes and the launcher (workers/engine/parallel/nodes.py; vLLM's names)
+    nnodes: int = arg(1, "nodes (pods) the tensor-parallel ranks are spread over, the same number on each",
+                      parse=positive_int)
+    node_rank: int = arg(0, "this node's place in the group: 0 runs the engine and hosts the rendezvous, "
+                         "others run ranks only", parse=_non_negative_int)
+    master_addr: str = arg("127.0.0.1", "the group leader's address (node 0): its rendezvous binds the address "
+                           "this resolves to", metavar="HOST")
+    master_port: int = arg(29500, "the group leader's rendezvous port (a TCPStore)", parse=_port)

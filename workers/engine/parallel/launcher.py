@@ -12,11 +12,14 @@ Failure: a rank that exits (killed, crashed) is seen by rank 0 at the next step 
 (`RankFailedError` naming the rank and its exit code), or inside a step's collective (its sockets close:
 gloo raises at once); a rank that hangs makes the collective raise after `timeout_s`. After one failure
 the runner stays failed, and the other ranks are stopped. A rank whose rank 0 is gone sees its pipe close
-and exits with status 1. Loopback only: ranks spanning nodes (K3SERVE_LEADER_ADDR) are not done yet.
+and exits with status 1. Ranks spanning nodes (`nnodes` > 1: the leader node's ranks are spawned here,
+the other nodes' ranks connect to rank 0 over TCP and stand in `peers` like local ones):
+workers/engine/parallel/nodes.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from k3serve.workers.engine.model_runner import ModelRunner
-from k3serve.workers.engine.parallel.group import RankGroup, host_store, join_store
+from k3serve.workers.engine.parallel import nodes as multinode
+from k3serve.workers.engine.parallel.group import LOOPBACK, RankGroup, host_store, join_store
 from k3serve.workers.engine.parallel.layers import ParallelK3ForwardModel
 from k3serve.workers.engine.parallel.shard import ShardPlan, shard_weights
 
@@ -61,6 +65,8 @@ class RankSpec:
     max_model_len: int
     static_decode: bool
     timeout_s: float
+    host: str = LOOPBACK  # this rank's gloo listener (its node's address when the group spans nodes)
+    store_host: str = LOOPBACK  # where rank 0's store listens
 
 
 class ParallelModelRunner(ModelRunner):
@@ -142,19 +148,29 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     size = int(args.tensor_parallel_size)
     ep = bool(getattr(args, "enable_expert_parallel", False))
     timeout_s = DEFAULT_TIMEOUT_S
-    store = host_store(size, STARTUP_TIMEOUT_S)
+    nodes = multinode.NodeLayout.from_args(args)  # groups spanning nodes: workers/engine/parallel/nodes.py
+    if nodes.node_rank != 0:
+        raise ValueError(f"node_rank={nodes.node_rank}: only node 0 runs the engine; the other nodes run ranks "
+                         "only (`k3serve worker --node-rank N`)")
+    bind = multinode.resolve(nodes.master_addr, multinode.RENDEZVOUS_TIMEOUT_S) if nodes.multi_node else LOOPBACK
+    store = host_store(size, STARTUP_TIMEOUT_S, host=bind, port=nodes.master_port if nodes.multi_node else 0)
     spec = RankSpec(args.model, dtype, size, ep, store.port, layout, num_blocks, args.max_num_batched_tokens,
                     args.max_num_seqs, max_model_len, bool(args.static_decode), timeout_s)
+    spec = dataclasses.replace(spec, host=bind, store_host=bind)
     ctx = mp.get_context("spawn")
     peers = []
     try:
-        for rank in range(1, size):
+        for rank in range(1, nodes.per_node):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(rank, spec, child), name=f"k3serve-tp-rank-{rank}",
                                daemon=True)
             proc.start()
             child.close()
             peers.append((rank, proc, parent))
+        if nodes.multi_node:  # the other nodes' ranks connect and get the same spec
+            remote = multinode.accept_remote_ranks(bind, nodes, store, lambda _rank: spec,
+                                                   time.monotonic() + multinode.RENDEZVOUS_TIMEOUT_S)
+            peers += [(r.rank, r, r) for r in remote]
         plan = ShardPlan.make(cfg, 0, size, ep)
         rank_cfg, shard = shard_weights(cfg, weights, plan, dtype)
         del weights
@@ -162,7 +178,7 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
             msg = _wait_message(rank, proc, conn, STARTUP_TIMEOUT_S)
             if msg[0] != "loaded":
                 raise RankFailedError(f"tensor-parallel rank {rank} failed to start: {msg[1]}")
-        group = RankGroup(store, 0, size, timeout_s)
+        group = RankGroup(store, 0, size, timeout_s, host=bind)
         runner = ParallelModelRunner(rank_cfg, shard, layout, num_blocks, dtype, group=group, plan=plan,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, peers=peers)
@@ -200,7 +216,8 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
         rank_cfg, shard = shard_weights(cfg, weights, plan, spec.dtype)
         del weights
         conn.send(("loaded", None))
-        group = RankGroup(join_store(spec.port, spec.size, STARTUP_TIMEOUT_S), rank, spec.size, spec.timeout_s)
+        group = RankGroup(join_store(spec.port, spec.size, STARTUP_TIMEOUT_S, host=spec.store_host), rank,
+                          spec.size, spec.timeout_s, host=spec.host)
         runner = ParallelModelRunner(rank_cfg, shard, spec.layout, spec.num_blocks, spec.dtype, group=group,
                                      plan=plan, max_num_batched_tokens=spec.max_num_batched_tokens,
                                      max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)

@@ -1,0 +1,223 @@
+"""Rank groups spanning nodes (workers/engine/parallel/nodes.py, node_process.py), two "nodes" on 127.0.0.1:
+the leader (node 0: the engine and rank 0, hosting the rendezvous at --master-addr:--master-port) and a
+`k3serve worker --node-rank 1` process running the other ranks, each a separate process tree.
+
+* greedy float64 tokens of TP=2 over 2 nodes (1 rank each) and TP=4 over 2 nodes (2 ranks each) equal
+  the single-rank engine's and the reference forward's, on random configs with prefix caching and
+  chunked prefill; everything the group opens listens on 127.0.0.1 only;
+* health: SIGKILL of the non-leader node's process tree -> the serving leader's /health answers 503 and
+  it exits non-zero within 10 s; SIGKILL of the leader -> the node process exits non-zero within 10 s;
+* bounded rendezvous: a node with no leader, and a leader whose node never comes, each fail within their
+  timeout with a message naming the address they waited for.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from _engine_helpers import engine_outputs, random_model_dir, reference_outputs
+
+from k3serve.workers.engine.parallel import nodes
+from k3serve.workers.engine.parallel.group import RendezvousError
+from k3serve.workers.engine.parallel.nodes import RemoteRank
+from k3serve.workers.llm import LLM
+from k3serve.workers.model.testing import random_config
+
+MAX_NEW = 4
+OPTS = dict(dtype="float64", skip_tokenizer_init=True, enable_prefix_caching=True, max_num_batched_tokens=16,
+            block_size=16)
+ENV = dict(os.environ, PYTHONSAFEPATH="1", K3SERVE_RENDEZVOUS_TIMEOUT_S="60")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "k3serve.cli", "worker", *args, "--num-threads", "1", "--log-level", "warning"]
+
+
+class _Proc:
+    """A process in its own session (a "pod": SIGKILL of its group kills the whole tree), output collected."""
+
+    def __init__(self, cmd: list[str], env=ENV):
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                  start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(x) for x in self.p.stdout], daemon=True).start()
+
+    def wait_line(self, pattern: str, timeout_s: float = 180.0) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.p.poll() is not None:
+                time.sleep(0.2)  # the reader thread drains the last lines
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}; output:\n" + "".join(self.lines))
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill_tree(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait(10)
+
+
+def _listeners(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP listeners owned by `pids` (ss -ltnp)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if owners & pids:
+            found.append(line.split()[3])
+    return found
+
+
+def _tree(pid: int) -> set[int]:
+    pids, todo = {pid}, [pid]
+    while todo:
+        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout
+        kids = {int(x) for x in out.split()}
+        todo += list(kids - pids)
+        pids |= kids
+    return pids
+
+
+def _prompts(seed: int, vocab: int):
+    import random
+
+    rng = random.Random(seed)
+    first = [[rng.randrange(vocab) for _ in range(rng.randint(18, 36))] for _ in range(2)]
+    second = [p[: rng.randint(17, len(p))] + [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+              for p in first]
+    return [first, second]
+
+
+@pytest.mark.parametrize("seed,tp,ep", [(77, 2, True), (2, 4, True)], ids=["tp2-2x1", "tp4-2x2"])
+def test_two_node_group_greedy_equals_single_rank_and_reference(tmp_path_factory, seed, tp, ep):
+    cfg = random_config(seed)
+    d = random_model_dir(tmp_path_factory.getbasetemp(), seed)
+    rounds = _prompts(seed, cfg.vocab_size)
+    flat = [p for r in rounds for p in r]
+    ref = reference_outputs(d, flat, MAX_NEW)
+    single = [t for r in rounds for t in engine_outputs(LLM(str(d), **OPTS), r, MAX_NEW)]
+    port = _free_port()
+    node = _Proc(_cli("--model", str(d), "--tensor-parallel-size", str(tp), "--nnodes", "2", "--node-rank", "1",
+                      "--master-addr", "127.0.0.1", "--master-port", str(port), "--metrics-port", "0"))
+    try:
+        llm = LLM(str(d), tensor_parallel_size=tp, enable_expert_parallel=ep, nnodes=2, master_port=port, **OPTS)
+        try:
+            runner = llm.engine.runner
+            assert [r for r, _p, _c in runner.peers] == list(range(1, tp))
+            assert sum(1 for _r, p, _c in runner.peers if isinstance(p, RemoteRank)) == tp // 2
+            m = node.wait_line(r"node 1 of 2 ready ranks=\[([\d, ]+)\].*metrics=(\S+)")
+            assert [int(x) for x in m.group(1).split(",")] == list(range(tp // 2, tp))
+            assert httpx.get(m.group(2) + "/health", timeout=5).status_code == 200
+            got = [t for r in rounds for t in engine_outputs(llm, r, MAX_NEW)]
+            stats = llm.engine.stats()
+            bound = _listeners(_tree(os.getpid()) | _tree(node.p.pid))
+            assert bound, "the group opened no listener?"
+            assert all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in bound), bound
+        finally:
+            llm.engine.runner.close()
+        assert node.p.wait(15) == 0, node.output()  # the leader stopped the group: the node exits 0
+    finally:
+        node.kill_tree()
+    assert got == single == ref
+    assert stats["prefix_cache_hits"] > 0
+
+
+@pytest.fixture(scope="module")
+def tp2_model(tmp_path_factory):
+    return random_model_dir(tmp_path_factory.getbasetemp(), 77)
+
+
+def _start_group(model_dir):
+    port = _free_port()
+    common = ["--model", str(model_dir), "--tensor-parallel-size", "2", "--expert-parallel", "--nnodes", "2",
+              "--master-port", str(port), "--metrics-port", "0", "--dtype", "float64", "--max-model-len", "128"]
+    leader = _Proc(_cli(*common, "--node-rank", "0", "--grpc-port", "0"))
+    node = _Proc(_cli(*common, "--node-rank", "1"))
+    lm = leader.wait_line(r"ready grpc=(\S+) metrics=(\S+)")
+    nm = node.wait_line(r"node 1 of 2 ready .*metrics=(\S+)")
+    return leader, lm.group(2), node, nm.group(1)
+
+
+def test_node_death_makes_the_leader_unhealthy_and_exit(tp2_model):
+    leader, lurl, node, _ = _start_group(tp2_model)
+    try:
+        assert httpx.get(lurl + "/health", timeout=5).status_code == 200
+        t0 = time.monotonic()
+        node.kill_tree()  # the pod dies: the node process and its rank
+        leader.p.wait(10)
+        took = time.monotonic() - t0
+        assert leader.p.returncode not in (None, 0), leader.output()
+        assert took < 10, took
+        assert re.search(r"tensor-parallel rank 1 exited \(status lost", leader.output()), leader.output()
+    finally:
+        leader.kill_tree()
+        node.kill_tree()
+
+
+def test_leader_death_makes_the_node_exit(tp2_model):
+    leader, _, node, nurl = _start_group(tp2_model)
+    try:
+        assert httpx.get(nurl + "/health", timeout=5).status_code == 200
+        t0 = time.monotonic()
+        leader.kill_tree()
+        node.p.wait(10)
+        assert node.p.returncode == 1 and time.monotonic() - t0 < 10, node.output()
+        assert "rank 1 exited (status 1); stopping this node" in node.output()
+    finally:
+        leader.kill_tree()
+        node.kill_tree()
+
+
+def test_node_without_leader_fails_within_its_timeout_naming_the_address(tp2_model):
+    port = _free_port()
+    t0 = time.monotonic()
+    node = _Proc(_cli("--model", str(tp2_model), "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+                      "--master-port", str(port), "--metrics-port", "0"),
+                 env=dict(ENV, K3SERVE_RENDEZVOUS_TIMEOUT_S="3"))
+    try:
+        assert node.p.wait(60) == 1, node.output()
+        assert time.monotonic() - t0 < 60
+        assert f"rendezvous: no group leader answered at 127.0.0.1:{port} within 3 s" in node.output()
+    finally:
+        node.kill_tree()
+
+
+def test_leader_without_its_node_fails_within_its_timeout(tp2_model, monkeypatch):
+    monkeypatch.setattr(nodes, "RENDEZVOUS_TIMEOUT_S", 2.0)
+    port = _free_port()
+    with pytest.raises(RendezvousError, match=rf"ranks \[1\] \(of nodes \[1\]\) never joined the group at "
+                                              rf"127\.0\.0\.1:{port}"):
+        LLM(str(tp2_model), tensor_parallel_size=2, nnodes=2, master_port=port, **OPTS)
+
+
+def test_layouts_that_cannot_span_nodes_are_one_line_exit_2(tp2_model):
+    for args, why in [(["--tensor-parallel-size", "3", "--nnodes", "2"], "does not split over --nnodes=2"),
+                      (["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "2"],
+                       "--node-rank 2 is not in 0..1")]:
+        p = subprocess.run(_cli("--model", str(tp2_model), *args), capture_output=True, text=True, env=ENV,
+                           timeout=120)
+        assert p.returncode == 2 and why in p.stdout + p.stderr, p.stdout + p.stderr

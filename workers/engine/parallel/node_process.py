@@ -1,0 +1,145 @@
+"""What a non-leader node runs: `k3serve worker --nnodes N --node-rank K` with K > 0 (the pod contract
+renders the same command on every pod of a group; docs/components.md).
+
+The node process serves no gRPC: it spawns its ranks (one process each, workers/engine/parallel/nodes.py
+for the layout), each of which connects to the leader, gets its RankSpec there, loads its shard and
+executes the steps rank 0 sends. The node process serves `/health` and `/ready` on `--metrics-port`
+(200 while all its ranks live and have loaded, else 503) and exits when one of them exits: 0 when the
+leader stopped the group, 1 otherwise (the leader gone or silent, a rank that failed), after stopping
+the others. SIGTERM / SIGINT stop the ranks and exit 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+
+from k3serve.workers.engine.parallel.nodes import RENDEZVOUS_TIMEOUT_S, NodeLayout, connect_to_leader
+
+log = logging.getLogger(__name__)
+PROG = "k3serve worker"
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A rank outlives no node process (SIGKILL of the node leaves no orphan rank behind)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def remote_rank_main(rank: int, nodes: NodeLayout, bind_host: str, notify, parent: int, log_level: str) -> None:
+    """A rank on a non-leader node: connect to the leader, take its spec, then run as rank_main does."""
+    from k3serve.workers.engine.parallel.launcher import rank_main
+
+    logging.basicConfig(level=getattr(logging, str(log_level).upper(), logging.WARNING),
+                        format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    try:
+        _store, link = connect_to_leader(nodes, rank, RENDEZVOUS_TIMEOUT_S, notify)
+        spec = link.recv()
+    except (OSError, EOFError, RuntimeError) as e:
+        print(f"{PROG}: rank {rank}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
+    leader_ip = link.peer.rsplit(":", 1)[0]
+    rank_main(rank, dataclasses.replace(spec, host=bind_host, store_host=leader_ip, port=nodes.master_port), link)
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    state: dict = {}
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path.split("?")[0] in ("/health", "/ready"):
+            ok = self.state["ok"]()
+            body = b'{"status":"ok"}' if ok else b'{"status":"unhealthy"}'
+            self.send_response(200 if ok else 503)
+            ctype = "application/json"
+        elif self.path.split("?")[0] == "/metrics":  # this node's ranks export no metrics of their own yet
+            body, ctype = b"", "text/plain; version=0.0.4"
+            self.send_response(200)
+        else:
+            body, ctype = b'{"error":"not found"}', "application/json"
+            self.send_response(404)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):  # no access log
+        pass
+
+
+def run_node(args, msock) -> int:
+    """The node process (node_rank > 0); `msock` is the bound metrics socket. Returns the exit status."""
+    nodes = NodeLayout.from_args(args)
+    ctx = mp.get_context("spawn")
+    ranks = []
+    for rank in nodes.local_ranks:
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=remote_rank_main, name=f"k3serve-tp-rank-{rank}",
+                           args=(rank, nodes, args.host, child_end, os.getpid(), args.log_level))
+        proc.start()
+        child_end.close()
+        ranks.append((rank, proc, parent_end))
+    loaded: set[int] = set()
+    stop = threading.Event()
+
+    def healthy() -> bool:
+        return len(loaded) == len(ranks) and all(p.exitcode is None for _r, p, _c in ranks)
+
+    handler = type("Health", (_Health,), {"state": {"ok": healthy}})
+    server = http.server.ThreadingHTTPServer(msock.getsockname()[:2], handler, bind_and_activate=False)
+    server.socket.close()
+    server.socket = msock
+    msock.listen(64)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="k3serve-node-health", daemon=True).start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    mhost, mport = msock.getsockname()[:2]
+    announced = False
+    status = 0
+    try:
+        while not stop.is_set():
+            ready = multiprocessing.connection.wait([p.sentinel for _r, p, _c in ranks]
+                                                    + [c for _r, _p, c in ranks if not c.closed], timeout=0.2)
+            for rank, _proc, conn in ranks:
+                if conn in ready:
+                    try:
+                        if conn.recv() == "loaded":
+                            loaded.add(rank)
+                    except (EOFError, OSError):
+                        conn.close()
+            if not announced and healthy():
+                announced = True
+                print(f"{PROG}: node {nodes.node_rank} of {nodes.nnodes} ready ranks={nodes.local_ranks} "
+                      f"leader={nodes.leader} metrics=http://{mhost}:{mport}", flush=True)
+            dead = [(r, p) for r, p, _c in ranks if p.exitcode is not None]
+            if dead:
+                rank, proc = dead[0]
+                status = 0 if proc.exitcode == 0 else 1
+                if status:
+                    print(f"{PROG}: node {nodes.node_rank}: rank {rank} exited (status {proc.exitcode}); "
+                          "stopping this node", flush=True)
+                break
+    finally:
+        deadline = time.monotonic() + 5.0
+        for _r, proc, _c in ranks:
+            if proc.exitcode is None and (status or stop.is_set()):
+                proc.terminate()
+        for _r, proc, _c in ranks:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5.0)
+        server.shutdown()
+        server.server_close()
+    return status
