@@ -40,8 +40,10 @@ def test_rendered_worker_args_parse(sample):
 def test_multi_rank_layout_is_refused_clearly():
     p = argparse.ArgumentParser()
     worker.configure(p)
+    ns = p.parse_args(["--model", "m", "--tensor-parallel-size", "8", "--role", "decode"])
+    assert "multi-rank decode" in worker.unsupported_layout(ns)  # P/D into a TP group: not implemented
     ns = p.parse_args(["--model", "m", "--tensor-parallel-size", "8", "--role", "prefill"])
-    assert "multi-rank" in worker.unsupported_layout(ns)  # P/D from a TP group: not implemented
+    assert worker.unsupported_layout(ns) is None  # P/D from a TP group: each rank's pages (kv_transfer/)
     assert "data parallelism" in worker.unsupported_layout(p.parse_args(["--model", "m", "--data-parallel-size", "2"]))
     assert worker.unsupported_layout(p.parse_args(["--model", "m"])) is None
     # tensor parallelism itself is served (workers/engine/parallel/); the engine judges the model's shapes

@@ -9,6 +9,7 @@
     xfer = agent.read(local, local_ids, remote, remote_ids, notif=b"req-1")   # NIXL READ, non-blocking
     xfer.poll()  -> "PROC" | "DONE" | "ERR"                    # a dead peer gives "ERR", never a hang
     agent.notifs() -> {peer: [msg, ...]}                       # completions of peers' reads of our pages
+    agent.notify(peer, b"req-1")                              # the same message, sent on its own
 
 Environment (nixl-on-cpu.md): in local mode `UCX_TLS=self,sm` (shared memory and CMA only, no sockets)
 or, when a transfer network device is given, `UCX_NET_DEVICES=<devices>`; always `UCX_MEM_EVENTS=no`
@@ -189,6 +190,14 @@ class TransferAgent:
             self.agent.release_xfer_handle(h)
             raise TransferError("the KV read was refused (ERR)")
         return Transfer(self.agent, h)
+
+    def notify(self, peer: str, msg: bytes) -> None:
+        """A notification not bound to a transfer (after reads from several ranks of one peer all ended);
+        raises TransferError."""
+        try:
+            self.agent.send_notif(peer, msg)
+        except Exception as e:
+            raise TransferError(f"could not notify {peer}: {e}") from e
 
     def notifs(self) -> dict[str, list[bytes]]:
         try:

@@ -13,6 +13,14 @@ over the prepared descriptor lists (views.py), zero-fills what it did not receiv
 `finished_recving`; the engine recomputes the last prompt token. Any fault — handshake, post, transfer
 error, timeout, expired pages — is `failed_recving`: the engine recomputes, the request is not lost.
 
+Heterogeneous TP (§5.4): a multi-rank prefill worker's ranks each register their own pages with their
+own agent (workers/engine/parallel/launcher.py) and rank 0's handshake names them all; a decode rank
+posts one READ per prefill rank it needs (k3serve/common/pd_geometry.py: MLA from one rank, each
+rank's KDA head slices into their offsets of the local page). With one READ the notification rides on
+it; with several, the prefill side is notified on its own once every READ has ended DONE, so no
+prefill rank frees pages another READ is still reading. A multi-rank decode worker (its ranks' pages
+are not this process's) is refused, not served.
+
 `TransferLedger` (shared by the halves, read by the gRPC layer) records each decode request's outcome
 (KvTransferResult in worker.proto) and feeds the transfer metrics.
 """
@@ -170,11 +178,11 @@ class NixlScheduler(KVConnectorScheduler):
         import dataclasses
 
         g = self.worker_half.geometry.side()
-        m = plan_pd_mapping(dataclasses.replace(g, tp_size=remote_tp, block_size=remote_block), g,
-                            self.worker_half.tp_rank)
-        if len(m.kda_src_ranks) > 1:
-            raise PDGeometryError(f"prefill tensor-parallel size {remote_tp} > decode {g.tp_size}: reading "
-                                  "several prefill ranks per decode rank is not wired yet (multi-rank workers)")
+        if g.tp_size > 1:
+            raise PDGeometryError(f"this decode worker has tensor-parallel size {g.tp_size}: pulling into a "
+                                  "multi-rank decode worker is not implemented (only its rank 0's pages are here)")
+        plan_pd_mapping(dataclasses.replace(g, tp_size=remote_tp, block_size=remote_block), g,
+                        self.worker_half.tp_rank)
 
     # decode side -------------------------------------------------------------------------------
     def _refuse(self, req, reason: str, aligned: int) -> MatchResult:
@@ -205,7 +213,7 @@ class NixlScheduler(KVConnectorScheduler):
         if time.time() + self.timeout_s >= float(p.get("remote_blocks_expiry_time", 0)):
             return self._refuse(request, "expired", aligned)
         pb = int(p.get("block_size", 0))
-        if pb <= 0 or self.ctx.layout.block_size % pb or aligned % pb:
+        if pb <= 0 or self.ctx.layout.block_size % pb or aligned % pb or self.tp_size > 1:
             return self._refuse(request, "geometry", aligned)
         return MatchResult(n - aligned, is_async=True)
 
@@ -255,10 +263,23 @@ class _InFlight:
     xfer: object
     t0: float
     deadline: float
-    plan: object
-    zero: tuple  # (mla_loaded, received_tokens, kda_blocks, local side)
+    plan: object  # RequestPlan of the first READ (bytes_by_view: all of them)
+    zero: tuple  # (mla_loaded, received_tokens, kda_blocks, local sides)
     host: str
     port: int
+    more: list = field(default_factory=list)  # the other READs (one per further prefill rank)
+    notify: tuple | None = None  # (agent, message): sent once every READ is DONE
+
+    def state(self) -> str:
+        """PROC while any READ runs; else DONE if all are DONE, ERR otherwise."""
+        states = [x.poll() for x in (self.xfer, *self.more)]
+        if "PROC" in states:
+            return "PROC"
+        return "DONE" if all(st == "DONE" for st in states) else "ERR"
+
+    def release(self) -> None:
+        for x in (self.xfer, *self.more):
+            x.release()
 
 
 class NixlWorker(KVConnectorWorker):
@@ -273,7 +294,8 @@ class NixlWorker(KVConnectorWorker):
         self.peers = None
         self.geometry = None
         self.bases: list[int] = []
-        self._local: dict[tuple, object] = {}  # (ratio, parts) -> (DescriptorSide, prepped handle)
+        self.other_ranks: list = []  # RankEndpoints of ranks 1.. (a multi-rank prefill worker)
+        self._local: dict[tuple, object] = {}  # (ratio, parts, source) -> (DescriptorSide, prepped handle)
         self._inflight: list[_InFlight] = []
         self._failed: set[str] = set()
         self._handshakes: list = []  # (job, future of fetch_metadata, host, port)
@@ -295,6 +317,8 @@ class NixlWorker(KVConnectorWorker):
         self.agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in kv.pages],
                             "VRAM" if str(self.ctx.device).startswith("cuda") else "DRAM")
         self.geometry = PageGeometry.of(self.ctx.layout, kv.num_blocks, self.tp_size, self.tp_rank)
+        # the other ranks' agents over their own pages (workers/engine/parallel/launcher.py)
+        self.other_ranks = list(getattr(kv, "transfer_ranks", ()))
         self.peers = PeerCache(self.agent, self.factors)
         self._metadata = self.agent.metadata()
 
@@ -310,27 +334,40 @@ class NixlWorker(KVConnectorWorker):
         theirs = json.loads(request.compatibility_factors) if request.compatibility_factors else None
         check_compatible(self.factors, request.compatibility_hash, theirs)
         return metadata_response(pb, engine_id=self.ctx.engine_id, factors=self.factors, agent_name=self.agent.name,
-                                 agent_metadata=self._metadata, bases=self.bases, geometry=self.geometry)
+                                 agent_metadata=self._metadata, bases=self.bases, geometry=self.geometry,
+                                 other_ranks=self.other_ranks)
 
     # decode side -------------------------------------------------------------------------------
     def _sides(self, peer):
+        """(mapping, [(source rank, (local side, handle), (remote side, handle))]): one per prefill rank
+        this rank reads, the MLA source first (its READ also carries the MLA view)."""
         from k3serve.workers.kv_transfer.views import DescriptorSide
 
         mapping = plan_pd_mapping(peer.geometry.side(), self.geometry.side(), self.tp_rank)
-        if mapping.kda_src_ranks != (peer.geometry.tp_rank,) and self.geometry.has_kda:
-            raise PDGeometryError("this decode rank needs KDA state from prefill ranks "
-                                  f"{mapping.kda_src_ranks}; only single-rank peers are wired so far")
+        ranks = peer.ranks or {0: (peer.agent_name, peer.bases, peer.geometry)}
+        srcs = [mapping.mla_src_rank] + [r for r in mapping.kda_src_ranks if r != mapping.mla_src_rank]
+        if not self.geometry.has_kda:
+            srcs = srcs[:1]
+        missing = [r for r in srcs if r not in ranks]
+        if missing:
+            raise PDGeometryError(f"this decode rank reads prefill ranks {srcs}; the peer's metadata lacks {missing}")
         sub = peer.geometry.block_size * peer.geometry.mla_token_bytes
-        key = (mapping.block_ratio, sub, mapping.kda_reads)
-        if key not in self._local:
-            side = DescriptorSide(self.geometry, self.bases, mapping, sub, local=True)
-            self._local[key] = (side, self.agent.prep_local(side.descs) if len(side.descs) else None)
-        if "remote" not in peer.prepared:
-            rside = DescriptorSide(peer.geometry, peer.bases, mapping, sub, local=False,
-                                   src_rank=peer.geometry.tp_rank)
-            peer.prepared["remote"] = self.agent.prep_remote(peer.agent_name, rside.descs)
-            peer.remote_side = rside
-        return mapping, self._local[key], (peer.remote_side, peer.prepared["remote"])
+        out = []
+        for src in srcs:
+            mla = src == mapping.mla_src_rank
+            key = (mapping.block_ratio, sub, mapping.kda_reads, src)
+            if key not in self._local:
+                side = DescriptorSide(self.geometry, self.bases, mapping, sub, local=True, src_rank=src, with_mla=mla)
+                self._local[key] = (side, self.agent.prep_local(side.descs) if len(side.descs) else None)
+            if ("remote", src) not in peer.prepared:
+                name, bases, geom = ranks[src]
+                rside = DescriptorSide(geom, bases, mapping, sub, local=False, src_rank=src, with_mla=mla)
+                peer.prepared[("remote", src)] = self.agent.prep_remote(name, rside.descs)
+                if peer.remote_side is None:
+                    peer.remote_side = {}
+                peer.remote_side[src] = rside
+            out.append((src, self._local[key], (peer.remote_side[src], peer.prepared[("remote", src)])))
+        return mapping, out
 
     def _fail(self, job: PullJob, reason: str, detail: str = "") -> None:
         log.warning("KV pull for %s fell back to recompute (%s%s)", job.request_id, reason,
@@ -384,7 +421,7 @@ class NixlWorker(KVConnectorWorker):
 
         p, spec = job.params, job.spec
         try:
-            mapping, (lside, lh), (rside, rh) = self._sides(peer)
+            mapping, sides = self._sides(peer)
         except PDGeometryError as e:
             self._fail(job, "geometry", str(e))
             return
@@ -393,6 +430,8 @@ class NixlWorker(KVConnectorWorker):
         Bp = peer.geometry.block_size
         layout = self.ctx.layout
         mla_pairs, mla_loaded, kda_pairs = {}, {}, {}
+        notif = str(p.get("remote_request_id", "")).encode()
+        posted = []
         try:
             remote_groups = {int(g["group_id"]): list(g["block_ids"]) for g in p.get("remote_block_ids", [])}
             for g in layout.groups:
@@ -404,28 +443,56 @@ class NixlWorker(KVConnectorWorker):
                     mla_loaded[g.group_id] = dblocks
                 else:
                     kda_pairs[g.group_id] = (rb[0], spec.block_ids[g.group_id][0])
-            plan = plan_request(lside, rside, self.geometry.groups, mla_pairs, kda_pairs)
-            xfer = self.agent.read(lh, plan.local_ids, rh, plan.remote_ids,
-                                   notif=str(p.get("remote_request_id", "")).encode())
+            plans = []
+            for i, (_src, (lside, _lh), (rside, _rh)) in enumerate(sides):
+                plans.append(plan_request(lside, rside, self.geometry.groups, mla_pairs if i == 0 else {}, kda_pairs))
+            for (_src, (_ls, lh), (_rs, rh)), plan in zip(sides, plans):
+                if plan.num_descriptors:
+                    posted.append(self.agent.read(lh, plan.local_ids, rh, plan.remote_ids,
+                                                  notif=notif if len(sides) == 1 else b""))
         except (KeyError, IndexError, PDGeometryError) as e:
+            self._release_posted(posted)
             self._fail(job, "geometry", f"transfer parameters do not fit this layout: {e!r}")
             return
         except TransferError as e:
+            self._release_posted(posted)
             self.peers.drop(host, port)
             self._fail(job, "transfer_failed", str(e))
             return
+        if not posted:
+            self._fail(job, "nothing_to_pull")
+            return
+        total = dict.fromkeys(plans[0].bytes_by_view, 0)
+        for plan in plans:
+            for view, nb in plan.bytes_by_view.items():
+                total[view] += nb
+        plans[0].bytes_by_view = total
+        notify = None
+        if len(sides) > 1:  # the prefill worker's rank 0 frees the pages: tell it once every READ is over
+            ranks = peer.ranks or {0: (peer.agent_name, None, None)}
+            notify = (ranks[0][0], notif)
         now = time.monotonic()
-        self._inflight.append(_InFlight(job, xfer, now, now + self.timeout_s, plan,
-                                        (mla_loaded, E, kda_pairs, lside), host, port))
+        self._inflight.append(_InFlight(job, posted[0], now, now + self.timeout_s, plans[0],
+                                        (mla_loaded, E, kda_pairs, [s[1][0] for s in sides]), host, port,
+                                        posted[1:], notify))
+
+    def _release_posted(self, posted) -> None:
+        """READs already posted when a later one could not be: wait them out (they write into our pages)."""
+        deadline = time.monotonic() + self.timeout_s
+        for x in posted:
+            while x.poll() == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.001)
+            x.release()
 
     def get_finished(self) -> KVConnectorOutput:
+        from k3serve.workers.kv_transfer.agent import TransferError
         from k3serve.workers.kv_transfer.views import zero_unreceived
 
         self._poll_handshakes()
         out = KVConnectorOutput()
         still = []
         for f in self._inflight:
-            state = f.xfer.poll()
+            state = f.state()
             if state == "PROC":
                 if time.monotonic() < f.deadline:
                     still.append(f)
@@ -435,8 +502,13 @@ class NixlWorker(KVConnectorWorker):
                     still.append(f)
                     continue
                 state = "TIMEOUT"
-            f.xfer.release()
+            f.release()
             rid = f.job.request_id
+            if state == "DONE" and f.notify is not None:
+                try:
+                    self.agent.notify(*f.notify)
+                except TransferError as e:  # the pages were read; the prefill side frees them at expiry
+                    log.warning("could not confirm the pull of %s to its prefill worker: %s", rid, e)
             if state == "DONE":
                 mla_loaded, received, kda_pairs, lside = f.zero
                 zero_unreceived(self.kv.pages, self.geometry, lside, mla_loaded, received,
@@ -465,7 +537,7 @@ class NixlWorker(KVConnectorWorker):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         for f in self._inflight:
-            f.xfer.release()
+            f.release()
         self._inflight = []
         if self.agent is not None:
             self.agent.close()

@@ -5,10 +5,16 @@
 the engine thread. `PeerCache` (engine thread) installs the peer's NIXL agent once per (host, port) and
 keeps it until the peer's engine id changes (a restart: refetch, old agent removed) or a transfer from
 it fails (`drop`).
+
+A multi-rank (tensor-parallel) prefill worker answers for all its ranks at once: rank 0 in the
+response's own fields, ranks 1..tp_size-1 in `other_ranks` (each rank registered its own pages with
+its own agent, workers/engine/parallel/launcher.py); `Peer.ranks` holds every rank's endpoint, and a
+response that does not name each rank exactly once is refused (IncompatiblePeer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -30,6 +36,16 @@ class PeerUnreachable(RuntimeError):
     """The prefill worker did not answer the handshake (the caller recomputes)."""
 
 
+@dataclass(frozen=True)
+class RankEndpoint:
+    """One rank's registered pages, as another agent reads them."""
+
+    tp_rank: int
+    agent_name: str  # as published (the metadata's own name)
+    agent_metadata: bytes
+    bases: tuple[int, ...]  # per layer position j: address of this rank's page tensor j
+
+
 @dataclass
 class Peer:
     address: str  # host:port of its gRPC
@@ -40,12 +56,35 @@ class Peer:
     factors: dict
     prepared: dict  # connector-owned: prepared dlists for this peer
     remote_side: object = None  # connector-owned: the peer's DescriptorSide
+    ranks: dict = None  # tp_rank -> (agent name as installed here, bases, PageGeometry); rank 0 included
+
+
+def rank_endpoints(resp) -> dict[int, RankEndpoint]:
+    """Every rank of a TransferMetadataResponse; IncompatiblePeer unless ranks 0..tp_size-1 appear once each."""
+    eps = {0: RankEndpoint(0, resp.agent_name, bytes(resp.agent_metadata), tuple(resp.region_base_addrs))}
+    for r in resp.other_ranks:
+        if r.tp_rank in eps:
+            raise IncompatiblePeer(f"transfer metadata names tensor-parallel rank {r.tp_rank} twice")
+        eps[r.tp_rank] = RankEndpoint(r.tp_rank, r.agent_name, bytes(r.agent_metadata), tuple(r.region_base_addrs))
+    want = set(range(max(int(resp.tp_size), 1)))
+    if set(eps) != want or int(resp.tp_rank) != 0:
+        raise IncompatiblePeer(f"transfer metadata of a tensor-parallel size {resp.tp_size} worker describes ranks "
+                               f"{sorted(eps)} (answered by rank {resp.tp_rank}); it must be ranks 0..{resp.tp_size - 1}"
+                               ", answered by rank 0")
+    for ep in eps.values():
+        if len(ep.bases) != len(eps[0].bases):
+            raise IncompatiblePeer(f"rank {ep.tp_rank} registered {len(ep.bases)} page tensors, rank 0 "
+                                   f"{len(eps[0].bases)}")
+    return eps
 
 
 def metadata_response(pb, *, engine_id: str, factors: dict, agent_name: str, agent_metadata: bytes,
-                      bases: list[int], geometry: PageGeometry):
-    """The TransferMetadataResponse a worker answers with (`pb`: k3serve.proto.worker_pb2)."""
-    return pb.TransferMetadataResponse(
+                      bases: list[int], geometry: PageGeometry, other_ranks=()):
+    """The TransferMetadataResponse a worker answers with (`pb`: k3serve.proto.worker_pb2); `other_ranks`:
+    RankEndpoints of ranks 1.. of a multi-rank worker."""
+    others = [pb.TransferRankMetadata(tp_rank=e.tp_rank, agent_name=e.agent_name, agent_metadata=e.agent_metadata,
+                                      region_base_addrs=[int(b) for b in e.bases]) for e in other_ranks]
+    return pb.TransferMetadataResponse(other_ranks=others,
         engine_id=engine_id, compatibility_hash=compatibility_hash(factors), compatibility_factors=canonical(factors),
         agent_name=agent_name, agent_metadata=agent_metadata, region_base_addrs=[int(b) for b in bases],
         num_blocks=geometry.num_blocks, page_bytes=geometry.page_bytes, block_size=geometry.block_size,
@@ -106,10 +145,20 @@ class PeerCache:
                 return old
             if old is not None:
                 self._drop_locked(addr)
-            name = self.agent.add_peer(bytes(resp.agent_metadata))
+            eps = rank_endpoints(resp)
+            geom = PageGeometry.from_json(resp.layout)
+            ranks = {}
+            try:
+                for r, ep in sorted(eps.items()):
+                    ranks[r] = (self.agent.add_peer(ep.agent_metadata), list(ep.bases),
+                                dataclasses.replace(geom, tp_rank=r))
+            except BaseException:
+                for name, _b, _g in ranks.values():
+                    self.agent.remove_peer(name)
+                raise
             theirs = json.loads(resp.compatibility_factors) if resp.compatibility_factors else {}
-            peer = Peer(addr, resp.engine_id, name, list(resp.region_base_addrs), PageGeometry.from_json(resp.layout),
-                        theirs, {})
+            name, bases, geom0 = ranks[0]
+            peer = Peer(addr, resp.engine_id, name, bases, geom0, theirs, {}, ranks=ranks)
             self.peers[addr] = peer
             self.fetches += 1
         return peer
@@ -129,5 +178,6 @@ class PeerCache:
             return
         for h in p.prepared.values():
             self.agent.release_dlist(h)
-        self.agent.remove_peer(p.agent_name)
+        for name, _b, _g in (p.ranks or {0: (p.agent_name, None, None)}).values():
+            self.agent.remove_peer(name)
         log.info("dropped the cached transfer metadata of %s (engine %s)", addr, p.engine_id)

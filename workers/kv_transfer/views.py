@@ -95,16 +95,18 @@ class DescriptorSide:
     """One side's descriptor array (Nx3 uint64: addr, len, dev) and its id arithmetic.
 
     `local=True`: the decode side (MLA sub-blocks at ratio r, KDA reads' destinations);
-    `local=False`: the prefill side (r = 1, KDA reads' sources)."""
+    `local=False`: the prefill side (r = 1, KDA reads' sources). One side per prefill rank read from
+    (`src_rank`): its KDA parts only, and the MLA view only on the rank MLA is read from (`with_mla`;
+    the latent is replicated, §5.4)."""
 
     def __init__(self, geom: PageGeometry, bases: list[int], mapping: RankMapping, sub_bytes: int, *, local: bool,
-                 src_rank: int = 0):
+                 src_rank: int = 0, with_mla: bool = True):
         self.geom = geom
         self.r = mapping.block_ratio if local else 1
         self.sub_bytes = sub_bytes
         reads = [rd for rd in mapping.kda_reads if rd.src_rank == src_rank]
         self.parts = [(rd.part, rd.dst_offset if local else rd.src_offset, rd.nbytes) for rd in reads]
-        self.n_mla_pos = geom.positions("mla")
+        self.n_mla_pos = geom.positions("mla") if with_mla else 0
         self.n_kda_pos = geom.positions("kda")
         nb, pb = geom.num_blocks, geom.page_bytes
         chunks = []
@@ -168,14 +170,15 @@ def plan_request(local: DescriptorSide, remote: DescriptorSide, groups, mla_pair
     return RequestPlan(np.asarray(lids, dtype=np.int64), np.asarray(rids, dtype=np.int64), nbytes)
 
 
-def zero_unreceived(pages, geom: PageGeometry, local: DescriptorSide, mla_loaded: dict[int, list[int]],
+def zero_unreceived(pages, geom: PageGeometry, local, mla_loaded: dict[int, list[int]],
                     received_tokens: int, kda_blocks: dict[int, int]) -> int:
     """§5.5: zero every byte of the loaded pages that the pull did not write; returns the bytes zeroed.
 
     `mla_loaded[g]`: the decode blocks the load covers (from a block boundary on), of which
     the first `received_tokens` tokens were received; every later token of those pages, their page
     padding, and every later block in the list are zeroed. `kda_blocks[g]`: the state block, of which
-    only the mapped parts were received."""
+    only the mapped parts were received: those of every side in `local` (a DescriptorSide, or one per
+    prefill rank read from)."""
     zeroed = 0
     B, tok = geom.block_size, geom.mla_token_bytes
     for gid, blocks in mla_loaded.items():
@@ -189,7 +192,8 @@ def zero_unreceived(pages, geom: PageGeometry, local: DescriptorSide, mla_loaded
                 pages[j][b, lo:].zero_()
             zeroed += npos * (geom.page_bytes - lo)
     if kda_blocks:
-        spans = sorted((o, o + n) for _, o, n in local.parts)
+        sides = local if isinstance(local, (list, tuple)) else [local]
+        spans = sorted((o, o + n) for side in sides for _, o, n in side.parts)
         gaps, at = [], 0
         for lo, hi in spans:
             if lo > at:

@@ -8,6 +8,12 @@ step's SchedulerOutput (plain data, workers/engine/scheduler_output.py) that ran
 before rank 0 executes the same step itself. Inside the step the ranks meet in the model's collectives
 (gloo over 127.0.0.1, workers/engine/parallel/group.py); rank 0 alone gets the full logits it samples.
 
+P/D (a `--role prefill` worker, the "nixl" connector): each spawned rank also registers its own page
+tensors with its own NIXL agent and reports the agent's metadata and page addresses to rank 0 (a
+`RankEndpoint`); rank 0 sets them as `runner.kv.transfer_ranks`, and its connector's handshake answers
+for the whole group (workers/kv_transfer/handshake.py). A decode worker reads every rank's pages
+directly, so the bytes never pass through rank 0 (one NIC per GPU in a real pod).
+
 Failure: a rank that exits (killed, crashed) is seen by rank 0 at the next step before anything is sent
 (`RankFailedError` naming the rank and its exit code), or inside a step's collective (its sockets close:
 gloo raises at once); a rank that hangs makes the collective raise after `timeout_s`. After one failure
@@ -65,8 +71,28 @@ class RankSpec:
     max_model_len: int
     static_decode: bool
     timeout_s: float
+    transfer: tuple | None = None  # (NIXL network devices or None,): register the pages for P/D reads
     host: str = LOOPBACK  # this rank's gloo listener (its node's address when the group spans nodes)
     store_host: str = LOOPBACK  # where rank 0's store listens
+
+
+def _wants_transfer(args) -> tuple | None:
+    if "nixl" in (getattr(args, "kv_connectors", None) or ()):
+        return (getattr(args, "kv_transfer_devices", None) or None,)
+    return None
+
+
+def _register_for_transfer(rank: int, runner, devices):
+    """This rank's pages under its own NIXL agent (kept alive by the caller); -> (agent, RankEndpoint)."""
+    import uuid
+
+    from k3serve.workers.kv_transfer.agent import TransferAgent
+    from k3serve.workers.kv_transfer.handshake import RankEndpoint
+
+    agent = TransferAgent(f"k3serve-tp{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}", devices=devices)
+    pages = runner.kv.pages
+    agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in pages], "DRAM")
+    return agent, RankEndpoint(rank, agent.name, agent.metadata(), tuple(t.data_ptr() for t in pages))
 
 
 class ParallelModelRunner(ModelRunner):
@@ -155,7 +181,7 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     bind = multinode.resolve(nodes.master_addr, multinode.RENDEZVOUS_TIMEOUT_S) if nodes.multi_node else LOOPBACK
     store = host_store(size, STARTUP_TIMEOUT_S, host=bind, port=nodes.master_port if nodes.multi_node else 0)
     spec = RankSpec(args.model, dtype, size, ep, store.port, layout, num_blocks, args.max_num_batched_tokens,
-                    args.max_num_seqs, max_model_len, bool(args.static_decode), timeout_s)
+                    args.max_num_seqs, max_model_len, bool(args.static_decode), timeout_s, _wants_transfer(args))
     spec = dataclasses.replace(spec, host=bind, store_host=bind)
     ctx = mp.get_context("spawn")
     peers = []
@@ -182,6 +208,13 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
         runner = ParallelModelRunner(rank_cfg, shard, layout, num_blocks, dtype, group=group, plan=plan,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, peers=peers)
+        if spec.transfer is not None:  # each rank's own agent over its own pages (P/D)
+            runner.kv.transfer_ranks = []
+            for rank, proc, conn in peers:
+                msg = _wait_message(rank, proc, conn, STARTUP_TIMEOUT_S)
+                if msg[0] != "transfer":
+                    raise RankFailedError(f"tensor-parallel rank {rank} could not register its pages: {msg[1]}")
+                runner.kv.transfer_ranks.append(msg[1])
     except BaseException:
         _stop_peers(peers)
         raise
@@ -222,6 +255,10 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
                                      plan=plan, max_num_batched_tokens=spec.max_num_batched_tokens,
                                      max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
         runner.static_decode = spec.static_decode
+        agent = None
+        if spec.transfer is not None:
+            agent, endpoint = _register_for_transfer(rank, runner, *spec.transfer)
+            conn.send(("transfer", endpoint))
         while True:
             try:
                 sched = conn.recv()
@@ -231,6 +268,8 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
             if sched is None:
                 break
             runner.execute(sched)
+        if agent is not None:
+            agent.close()
     except BaseException as e:  # noqa: BLE001 - reported to rank 0 (while starting) and in the exit status
         status = 1
         try:

@@ -46,9 +46,10 @@ def check_layout(cfg, args) -> None:
     if tp > 1:
         if not str(getattr(args, "device", "cpu")).startswith("cpu"):
             why.append(f"device={args.device}: tensor parallelism runs on CPU ranks (gloo) only")
-        if (getattr(args, "kv_offload_memory", None) or getattr(args, "kv_connectors", ())
-                or getattr(args, "kv_store", None)):
-            why.append("KV connectors (offload, store, P/D) are not implemented with tensor_parallel_size > 1")
+        others = [c for c in (getattr(args, "kv_connectors", None) or ()) if c != "nixl"]  # P/D: every rank's pages
+        if getattr(args, "kv_offload_memory", None) or others or getattr(args, "kv_store", None):
+            why.append("KV connectors (offload, store) are not implemented with tensor_parallel_size > 1 "
+                       "(the P/D connector is)")
         if cfg.kda_layer_ids and cfg.kda_num_heads % tp:
             why.append(f"KDA heads ({cfg.kda_num_heads}) are not divisible by tensor_parallel_size={tp}")
         if cfg.mla_layer_ids and cfg.num_attention_heads % tp:

@@ -1,0 +1,189 @@
+"""Heterogeneous P/D for real: a `k3serve worker --role prefill --tensor-parallel-size 2` (two rank
+processes, each holding half the KDA heads and half of every KDA state page, the MLA latent replicated)
+feeds a `--role decode` worker with one rank over NIXL (UCX shared memory). Each prefill rank registers its
+own pages with its own agent; the decode worker reads MLA pages from rank 0 and each rank's KDA head slices
+into their offsets of its own (twice as large) state page (k3serve/common/pd_geometry.py), its free pages
+poisoned with 0xFF (NaN) first, so a slice not read shows. Decode block 32 = 2 x prefill block 16.
+
+Greedy float64 tokens must equal the plain reference forward, on a random config and random prompts,
+including prompts that hit the prefill worker's prefix cache. A mismatched geometry is a clear
+FAILED_PRECONDITION; a killed prefill rank makes that worker exit non-zero within 10 s and the decode side
+recompute (the request is not lost).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from k3serve.proto import worker_pb2 as pb
+from k3serve.proto.convert import kv_transfer_result_from_proto, sampling_to_proto
+from tests._engine_helpers import random_model_dir, reference_outputs
+from tests.test_pd_workers import _W, _listening_sockets, _sp, _start, _wait_ready, decode_hop, prefill_hop
+
+SEED = 23  # a random config whose KDA and MLA heads split over 2 ranks (3 KDA layers, 1 MLA, MoE)
+CACHE = ["--enable-prefix-caching", "--prefix-cache-retention-interval", "dense"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return random_model_dir(tmp_path_factory.mktemp("pdtp"), SEED)
+
+
+@pytest.fixture(scope="module")
+def vocab(model):
+    from k3serve.workers.model.config import K3Config
+
+    return K3Config.from_pretrained(model).vocab_size
+
+
+@pytest.fixture(scope="module")
+def pair(model):
+    procs = {"P": _start(model, "prefill", "--tensor-parallel-size", "2", "--block-size", "16", *CACHE),
+             "D": _start(model, "decode", "--block-size", "32", "--kv-transfer-timeout", "5", *CACHE,
+                         env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"})}
+    out = {}
+    try:
+        for k, p in procs.items():
+            out[k] = _W(p, *_wait_ready(p))
+        yield out
+    finally:
+        for w in out.values():
+            w.channel.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _decode(w, rid, prompt, max_new, kvp):
+    """The decode hop with the chosen tokens' logprobs: (tokens, logprobs, KvTransferResult)."""
+    kvp = pb.KvTransferParams.FromString(kvp.SerializeToString())
+    kvp.do_remote_prefill = True
+    sp = sampling_to_proto(dict(temperature=0.0, ignore_eos=True, max_tokens=max_new, logprobs=0))
+    resps = list(w.stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
+                                                    kv_transfer_params=kvp), timeout=120))
+    toks = [t for r in resps for o in r.outputs for t in o.token_ids]
+    lps = [tl.entries[0].logprob for r in resps for o in r.outputs for tl in o.logprobs]
+    assert resps[-1].finished and resps[-1].HasField("kv_transfer_result")
+    return toks, lps, kv_transfer_result_from_proto(resps[-1].kv_transfer_result)
+
+
+def _reference_logprobs(model_dir, prompt, toks) -> list[float]:
+    """The oracle's log-probabilities of `toks` after `prompt` (one full forward, no caches)."""
+    import torch
+
+    from k3serve.workers.model.reference import load_reference_model
+
+    m = load_reference_model(str(model_dir), dtype=torch.float64)
+    with torch.no_grad():
+        lp = torch.log_softmax(m.logits(list(prompt) + list(toks))[len(prompt) - 1: -1].double(), dim=-1)
+    return [float(lp[i, t]) for i, t in enumerate(toks)]
+
+
+def _rank_pids(pid: int) -> list[int]:
+    """The spawned tensor-parallel ranks of a worker (its children but multiprocessing's resource tracker)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(c) for c in out.split() if "resource_tracker" not in open(f"/proc/{c}/cmdline").read()]
+
+
+def test_tp2_prefill_to_tp1_decode_equals_reference(pair, model, vocab):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (2, 9, 17, 33, rng.randint(60, 120))]
+    # a second round over the first round's prefixes (>= one prefill block): the prefill side's cache hits
+    prompts += [p[: rng.randint(17, len(p))] + [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
+                for p in prompts[3:]]
+    max_new = 6
+    want = reference_outputs(model, prompts, max_new)
+    cached = []
+    for i, prompt in enumerate(prompts):
+        resps = list(pair["P"].stub.Generate(pb.GenerateRequest(
+            request_id=f"p{i}", prompt_token_ids=prompt, sampling_params=_sp(max_new),
+            kv_transfer_params=pb.KvTransferParams(do_remote_decode=True)), timeout=120))
+        kvp = resps[-1].kv_transfer_params
+        cached.append(resps[-1].cached_tokens)
+        assert kvp.tp_size == 2 and kvp.block_size == 16 and kvp.remote_num_tokens == len(prompt) - 1
+        toks, lps, res = _decode(pair["D"], f"d{i}", prompt, max_new, kvp)
+        assert toks == want[i], (i, len(prompt), res)
+        # greedy tokens of a tiny random model can survive a wrong state; its log-probabilities cannot
+        ref = _reference_logprobs(model, prompt, toks)
+        assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-9, (i, lps, ref)
+        assert res["outcome"] == "pulled" and res["bytes"] > 0, res
+        assert res["pulled_tokens"] + res["local_cached_tokens"] == len(prompt) - 1, res
+    assert all(c >= 16 for c in cached[5:]), cached  # the prefill worker's prefix cache served the second round
+    # the decode side's confirmation reached rank 0: every pinned page of both ranks is free again
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = pair["P"].stub.GetLoad(pb.LoadRequest(), timeout=5)
+        if load.free_pages == load.total_pages:
+            break
+        time.sleep(0.2)
+    assert load.free_pages == load.total_pages
+
+
+def test_transfer_metadata_names_every_rank(pair):
+    """One handshake answers for the group: rank 0's agent in the response's fields, rank 1's in other_ranks."""
+    import json
+
+    from k3serve.workers.kv_transfer.compat import compatibility_hash
+    from k3serve.workers.kv_transfer.handshake import rank_endpoints
+    from k3serve.workers.kv_transfer.views import PageGeometry
+
+    kvp = prefill_hop(pair["P"], "md-p", [1, 2, 3, 4, 5], 1)
+    resp = pair["P"].stub.GetTransferMetadata(pb.TransferMetadataRequest(compatibility_hash=kvp.compatibility_hash),
+                                              timeout=10)
+    assert compatibility_hash(json.loads(resp.compatibility_factors)) == kvp.compatibility_hash
+    eps = rank_endpoints(resp)
+    assert sorted(eps) == [0, 1] and eps[0].agent_name != eps[1].agent_name
+    assert len(eps[1].bases) == len(eps[0].bases) > 0
+    geom = PageGeometry.from_json(resp.layout)
+    assert (geom.tp_size, geom.tp_rank) == (2, 0) and geom.kda_heads == 2 * geom.side().local_heads
+
+
+def test_mismatched_geometry_is_a_clear_error(pair, vocab):
+    prompt = [t % vocab for t in range(5, 40)]
+    kvp = prefill_hop(pair["P"], "geo-p", prompt, 4)
+    for field, value, says in (("block_size", 48, "not a whole multiple"), ("tp_size", 3, "does not divide")):
+        bad = pb.KvTransferParams.FromString(kvp.SerializeToString())
+        setattr(bad, field, value)
+        with pytest.raises(grpc.RpcError) as e:
+            decode_hop(pair["D"], f"geo-{field}", prompt, 4, bad)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, field
+        assert says in e.value.details(), e.value.details()
+
+
+def test_prefill_ranks_listen_on_loopback_only(pair):
+    pids = [pair["P"].proc.pid, *_rank_pids(pair["P"].proc.pid)]
+    assert len(pids) == 2
+    for pid in pids:
+        for proto, addr in _listening_sockets(pid):
+            ok = addr == "0100007F" if proto in ("tcp", "udp") else addr in (
+                "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+            assert ok, f"{pid} listens on {proto} {addr} (not loopback)"
+
+
+def test_killed_prefill_rank_exits_the_worker_and_decode_recomputes(pair, model, vocab):
+    """Last in the module: it ends the prefill worker."""
+    p, d = pair["P"], pair["D"]
+    prompt = [t % vocab for t in range(7, 60)]
+    want = reference_outputs(model, [prompt], 5)[0]
+    kvp = prefill_hop(p, "kill-p", prompt, 5)
+    (rank1,) = _rank_pids(p.proc.pid)
+    t0 = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)
+    # the next thing the worker's engine does notices: an idle engine checks its ranks too
+    rc = p.proc.wait(timeout=10)
+    assert rc != 0 and time.monotonic() - t0 < 10
+    toks, res = decode_hop(d, "kill", prompt, 5, kvp)
+    assert toks == want and res["outcome"] == "recomputed", res
+    assert res["reason"] in ("transfer_failed", "peer_unreachable", "timeout"), res
