@@ -1,0 +1,217 @@
+"""RecoverSSM ops for KDA speculative decoding (the scheme: workers/engine/spec/recover_ssm.py).
+
+A verify step runs the 1 + k tokens of each speculative request from its checkpoint state S0 and
+NEVER writes S0; instead it records, per token t, the delta rule's correction u_t (the pseudo-value
+of kernels/reference/kda_chunked.py's WY form: S_t = S'_{t-1} + u_t k̂_tᵀ with S' the decayed state).
+After sampling, the accepted prefix of c tokens is folded into the checkpoint:
+
+    S_c = S0 · diag(e^{G_c}) + Σ_{s≤c} u_s (k̂_s ⊙ e^{G_c - G_s})ᵀ,   G_t = Σ_{r≤t} g_r,
+
+which is exactly the state the recurrence reaches after c tokens (a rejected draft is only a smaller
+c). The conv window after c tokens is the last K-1 raw inputs of [history | x_1..x_c].
+
+Plain PyTorch (any device); math in fp32, fp64 when any input is fp64, like kernels/reference.
+State pools are [num_slots, H, V, K] ([v][k]) and conv pools [num_slots, C, K-1], as in the reference
+ops. Record tensors are padded per request row: [R, Tmax, H, *] (token-major like the [T, H, *] inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference._varlen import bool_list, compute_dtype, int_list, seq_starts
+from .reference.norms import l2_normalize
+
+
+def _chunk_with_u(S0, q, k, v, g, beta):
+    """One chunk of n tokens for R rows at once, the WY form of kernels/reference/kda_chunked.py.
+
+    S0 [R,H,V,K]; q, k, g [R,n,H,K] (q̂ scaled, k̂ normalised); v [R,n,H,V]; beta [R,n,H].
+    Returns (o [R,n,H,V], u [R,n,H,V], state after the chunk [R,H,V,K]).
+    """
+    q, k, v, g = (t.transpose(1, 2) for t in (q, k, v, g))  # [R, H, n, *]
+    beta = beta.transpose(1, 2)  # [R, H, n]
+    n = q.shape[2]
+    G = g.cumsum(dim=2)
+    incl = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    diff = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~incl[None, None, :, :, None], float("-inf"))
+    decay = torch.exp(diff)  # [R, H, t, s, K]
+    a_kk = torch.einsum("rhtk,rhsk,rhtsk->rhts", k, k, decay).tril(-1) * beta[..., None]
+    a_qk = torch.einsum("rhtk,rhsk,rhtsk->rhts", q, k, decay)
+    eye = torch.eye(n, dtype=q.dtype, device=q.device)
+    eG = torch.exp(G)
+    rhs = beta[..., None] * torch.cat([k * eG, v], dim=-1)
+    wu = torch.linalg.solve_triangular(eye + a_kk, rhs, upper=False, unitriangular=True)
+    w, u = wu[..., : k.shape[-1]], wu[..., k.shape[-1]:]
+    u = u - torch.einsum("rhtk,rhvk->rhtv", w, S0)
+    o = torch.einsum("rhtk,rhvk->rhtv", q * eG, S0) + a_qk @ u
+    Gn = G[:, :, n - 1 : n, :]
+    S = S0 * torch.exp(Gn) + torch.einsum("rhsv,rhsk->rhvk", u, k * torch.exp(Gn - G))
+    return o.transpose(1, 2), u.transpose(1, 2), S
+
+
+def _pad_rows(x: torch.Tensor, cu: list[int], tmax: int) -> torch.Tensor:
+    """[T, *] flat tokens -> [R, tmax, *] zero-padded per row."""
+    R = len(cu) - 1
+    out = x.new_zeros((R, tmax) + tuple(x.shape[1:]))
+    for r in range(R):
+        out[r, : cu[r + 1] - cu[r]] = x[cu[r] : cu[r + 1]]
+    return out
+
+
+def _initial_states(state_pool, slots, init, dt):
+    H, V, K = state_pool.shape[1:]
+    S0 = torch.zeros((len(slots), H, V, K), dtype=dt, device=state_pool.device)
+    for r, (s, i) in enumerate(zip(slots, init)):
+        if i:
+            S0[r] = state_pool[s].to(dt)
+    return S0
+
+
+def kda_recover_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    corrections: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The verify pass: `kda_chunked`'s outputs for R sequences, without writing any state.
+
+    Inputs as kernels/reference/kda_chunked.py (q, k, g [T, H, K]; v [T, H, V]; beta [T, H]; cu_seqlens
+    [R+1]; state_indices [R] >= 0; has_initial_state bool [R] or None). `state_pool` is only READ.
+    corrections: Tensor[R', Tmax, H, V] with R' >= R and Tmax >= every sequence's length, any float dtype;
+    row r receives u_t of sequence r at [r, t] for t < len_r (the rest of the row is left as it is).
+    Returns o [T, H, V] in v's dtype.
+    """
+    T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or g.shape != q.shape or tuple(v.shape[:2]) != (T, H) or tuple(beta.shape) != (T, H):
+        raise ValueError(f"KDA shapes: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"g {tuple(g.shape)} beta {tuple(beta.shape)}")
+    cu = seq_starts(cu_seqlens)
+    R = len(cu) - 1
+    lens = [cu[r + 1] - cu[r] for r in range(R)]
+    if cu[-1] > T:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]} but there are only {T} tokens")
+    if tuple(state_pool.shape[1:]) != (H, V, K):
+        raise ValueError(f"state_pool {tuple(state_pool.shape)} must be [num_slots, {H}, {V}, {K}] ([v][k])")
+    tmax = max(lens, default=0)
+    if corrections.dim() != 4 or corrections.shape[0] < R or corrections.shape[1] < tmax or \
+            tuple(corrections.shape[2:]) != (H, V):
+        raise ValueError(f"corrections {tuple(corrections.shape)} must be [>= {R}, >= {tmax}, {H}, {V}]")
+    slots = int_list(state_indices, R, "state_indices")
+    if any(s < 0 for s in slots):
+        raise ValueError("kda_recover_verify: every sequence needs a state slot (no padded rows)")
+    init = bool_list(has_initial_state, R, "has_initial_state")
+    dt = compute_dtype(q, k, v, g, beta, state_pool)
+    scale = K ** -0.5 if scale is None else scale
+    qf, kf = q.to(dt), k.to(dt)
+    if use_qk_l2norm:
+        qf, kf = l2_normalize(qf, 1e-6), l2_normalize(kf, 1e-6)
+    qf = qf * scale
+    o = torch.zeros((T, H, V), dtype=dt, device=v.device)
+    if R == 0 or tmax == 0:
+        return o.to(v.dtype)
+    P = [_pad_rows(t, cu, tmax) for t in (qf, kf, v.to(dt), g.to(dt), beta.to(dt))]
+    S = _initial_states(state_pool, slots, init, dt)
+    u_all = torch.zeros((R, tmax, H, V), dtype=dt, device=v.device)
+    o_pad = torch.zeros((R, tmax, H, V), dtype=dt, device=v.device)
+    for c0 in range(0, tmax, chunk_size):  # padded tokens have k = v = beta = g = 0: u = 0, S unchanged
+        sl = slice(c0, min(c0 + chunk_size, tmax))
+        o_pad[:, sl], u_all[:, sl], S = _chunk_with_u(S, *(t[:, sl] for t in P))
+    for r in range(R):
+        o[cu[r] : cu[r + 1]] = o_pad[r, : lens[r]]
+        corrections[r, : lens[r]] = u_all[r, : lens[r]].to(corrections.dtype)
+    return o.to(v.dtype)
+
+
+def kda_recover_fold(
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    corrections: torch.Tensor,
+    num_tokens: torch.Tensor,
+    out_slots: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = True,
+) -> None:
+    """The commit: state_pool[out_slots[n]] = the state after num_tokens[n] tokens of record row n.
+
+    state_indices [N]: row n's checkpoint S0 (zeros where has_initial_state[n] is False); k, g
+    [N, Tmax, H, K]: the keys as given to the verify (before l2 normalisation) and the log-decays;
+    corrections [N, Tmax, H, V] from `kda_recover_verify`; num_tokens [N] in [0, Tmax] (0 copies S0).
+    Every S0 is read before any slot is written, so an out slot may be its own or another row's S0.
+    """
+    N, tmax, H, K = k.shape
+    V = corrections.shape[-1]
+    if g.shape != k.shape or tuple(corrections.shape[:3]) != (N, tmax, H):
+        raise ValueError(f"records: k {tuple(k.shape)} g {tuple(g.shape)} corrections {tuple(corrections.shape)}")
+    if tuple(state_pool.shape[1:]) != (H, V, K):
+        raise ValueError(f"state_pool {tuple(state_pool.shape)} must be [num_slots, {H}, {V}, {K}]")
+    slots = int_list(state_indices, N, "state_indices")
+    outs = int_list(out_slots, N, "out_slots")
+    counts = int_list(num_tokens, N, "num_tokens")
+    if any(not 0 <= c <= tmax for c in counts):
+        raise ValueError(f"num_tokens must be in [0, {tmax}]; got {counts}")
+    init = bool_list(has_initial_state, N, "has_initial_state")
+    if N == 0:
+        return
+    dt = compute_dtype(k, g, corrections, state_pool)
+    S0 = _initial_states(state_pool, slots, init, dt)
+    dev = state_pool.device
+    c = torch.tensor(counts, dtype=torch.long, device=dev)
+    keep = torch.arange(tmax, device=dev)[None, :] < c[:, None]  # [N, Tmax]
+    kf = k.to(dt)
+    if use_qk_l2norm:
+        kf = l2_normalize(kf, 1e-6)
+    gm = g.to(dt).masked_fill(~keep[:, :, None, None], 0.0)
+    G = gm.cumsum(dim=1)  # [N, Tmax, H, K]
+    Gc = G.gather(1, (c - 1).clamp_min(0).view(N, 1, 1, 1).expand(N, 1, H, K))  # [N, 1, H, K]
+    Gc = Gc.masked_fill((c == 0).view(N, 1, 1, 1), 0.0)
+    kd = (kf * torch.exp((Gc - G).masked_fill(~keep[:, :, None, None], float("-inf"))))  # s <= c only
+    u = corrections.to(dt).masked_fill(~keep[:, :, None, None], 0.0)
+    S = S0 * torch.exp(Gc.squeeze(1))[:, :, None, :] + torch.einsum("nshv,nshk->nhvk", u, kd)
+    for n in range(N):
+        state_pool[outs[n]].copy_(S[n].to(state_pool.dtype))
+
+
+def conv_window_fold(
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    x: torch.Tensor,
+    num_tokens: torch.Tensor,
+    out_slots: torch.Tensor,
+) -> None:
+    """The conv commit: conv_states[out_slots[n]] = the last K-1 raw inputs of
+    [history of row n | x[n, :num_tokens[n]]], history = conv_states[state_indices[n]] (zeros where
+    has_initial_state[n] is False). x [N, Tmax, C] raw (pre-conv) inputs; conv_states [slots, C, K-1].
+    All histories are read before any slot is written."""
+    N, tmax, C = x.shape
+    if conv_states.shape[1] != C:
+        raise ValueError(f"conv_states {tuple(conv_states.shape)} vs inputs {tuple(x.shape)}")
+    w = conv_states.shape[2]
+    slots = int_list(state_indices, N, "state_indices")
+    outs = int_list(out_slots, N, "out_slots")
+    counts = int_list(num_tokens, N, "num_tokens")
+    if any(not 0 <= c <= tmax for c in counts):
+        raise ValueError(f"num_tokens must be in [0, {tmax}]; got {counts}")
+    init = bool_list(has_initial_state, N, "has_initial_state")
+    wins = []
+    for n in range(N):
+        hist = conv_states[slots[n]] if init[n] else torch.zeros_like(conv_states[0])
+        full = torch.cat([hist, x[n, : counts[n]].to(conv_states.dtype).t()], dim=1)  # [C, K-1+c]
+        wins.append(full[:, counts[n] : counts[n] + w].clone())
+    for n in range(N):
+        conv_states[outs[n]].copy_(wins[n])

@@ -1,0 +1,228 @@
+"""RecoverSSM: exact KDA rollback with one state block per request (the "recover_ssm" scheme).
+
+The second implementation of workers/engine/spec/rollback.py's RollbackScheme (read its docstring
+for the call order and the commit contract):
+
+* `extra_slots(k) = 0`: a speculative request keeps only its running block per KDA group, which
+  holds the checkpoint S0 (state + conv window after the tokens computed before this step).
+* Verify (`kda_mix`, called by every KDA layer of the forward pass): the rows of verified requests
+  run the short conv from their running block's window and the delta rule from S0 WITHOUT writing
+  either (kernels/kda_recover.py `kda_recover_verify`); per layer, per request, per token the side
+  buffers record the correction u_t (state dtype), the key k_t and raw gate (activation dtype) and
+  the raw conv input (activation dtype). Every other row of the batch (prefills, plain decodes) goes
+  through rollback.default_kda_mix unchanged.
+* Commit (`commit(row, accepted_len, snapshots)`): fold the accepted prefix into the running block:
+  state = S0 decayed + the accepted corrections (`kda_recover_fold`), conv window = the last K-1 raw
+  inputs of [window | accepted inputs] (`conv_window_fold`). A rejected draft costs nothing extra:
+  it is only a shorter fold. A retained prefix-cache boundary crossed inside the accepted run gets
+  the fold of ITS length written into its block (the exact snapshot).
+
+The side buffers live outside the paged KV cache (sized by max_num_seqs and the KDA layers, not by
+the pool), so the page layout that P/D and the store exchange is unchanged. Per request and KDA
+layer they hold T = 1 + k tokens of: H·V corrections (state dtype) + H·2K key|gate + 3·H·K conv
+inputs (activation dtype); `state_bytes()` gives the total, the multi-slot scheme's counterpart is
+k whole pages per KDA group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from k3serve.kernels import ops
+from k3serve.kernels.kda_recover import conv_window_fold, kda_recover_fold, kda_recover_verify
+
+from .rollback import SCHEMES, RollbackScheme, SpecBatch, VerifyRow, default_kda_mix
+
+
+@dataclasses.dataclass
+class _Step:
+    """This step's verified rows, indexed for the forward pass (plain data)."""
+
+    rows: list[VerifyRow]
+    buf_row: dict[str, int]  # request_id -> its row in the side buffers
+    tok: torch.Tensor  # [Tv] flat token indices of the verified rows in the batch
+    row_of_tok: torch.Tensor  # [Tv] buffer row of each of those tokens
+    pos_of_tok: torch.Tensor  # [Tv] its position in its chunk
+    cu: torch.Tensor  # [R+1] cumulative chunk lengths of the verified rows
+    run_slots: list[torch.Tensor]  # per KDA group [R] running blocks
+    has_init: torch.Tensor  # [R] bool
+    checkpoints: list[tuple[int, int, list[int]]]  # (buffer row, offset, block per KDA group) of the batch
+    other: object | None  # the batch with verified rows padded out, None when every row is verified
+
+
+class RecoverSSMRollback(RollbackScheme):
+    name = "recover_ssm"
+
+    def __init__(self, kv, layout, num_speculative_tokens: int, max_num_seqs: int):
+        super().__init__(kv, layout, num_speculative_tokens, max_num_seqs)
+        self.T = 1 + num_speculative_tokens
+        h, V, K = layout.ssm_shape
+        self.h, self.V, self.K = h, V, K
+        self.layers = [(i, gi, j) for gi, grp in enumerate(layout.kda_groups) for j, i in enumerate(grp.layer_ids)]
+        dev = kv.pages[0].device if kv is not None and kv.pages else torch.device("cpu")
+        n, T = max_num_seqs, self.T
+        self.corr = {i: torch.zeros((n, T, h, V), dtype=layout.ssm_dtype, device=dev) for i, _, _ in self.layers}
+        self.key_gate = {i: torch.zeros((n, T, h, 2 * K), dtype=layout.conv_dtype, device=dev)
+                         for i, _, _ in self.layers}
+        self.conv_in = {i: torch.zeros((n, T, layout.conv_channels), dtype=layout.conv_dtype, device=dev)
+                        for i, _, _ in self.layers}
+        self._step: _Step | None = None
+        self._model = None
+
+    @staticmethod
+    def extra_slots(num_speculative_tokens: int) -> int:
+        return 0
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for bufs in (self.corr, self.key_gate, self.conv_in) for t in bufs.values())
+
+    # -- verify ---------------------------------------------------------------------------------
+    def begin_verify(self, rows: list[VerifyRow], batch) -> None:
+        self._step = None
+        if not rows or not self.layers:
+            return
+        if len(rows) > self.max_num_seqs:
+            raise ValueError(f"recover_ssm: {len(rows)} verified requests > max_num_seqs {self.max_num_seqs}")
+        dev = batch.input_ids.device
+        cu_b = [int(c) for c in batch.cu_seqlens.tolist()]
+        tok, row_of, pos_of, lens = [], [], [], []
+        for r, row in enumerate(rows):
+            n = cu_b[row.seq + 1] - cu_b[row.seq]
+            if n != row.num_tokens or not 1 <= n <= self.T:
+                raise ValueError(f"recover_ssm: request {row.request_id} has {n} tokens in the batch, "
+                                 f"row says {row.num_tokens} (at most {self.T})")
+            tok += range(cu_b[row.seq], cu_b[row.seq + 1])
+            row_of += [r] * n
+            pos_of += range(n)
+            lens.append(n)
+        lt = dict(dtype=torch.long, device=dev)
+        seqs = torch.tensor([row.seq for row in rows], **lt)
+        cu = torch.tensor([0] + lens, **lt).cumsum(0)
+        run_slots = [torch.tensor([row.running_slots[gi] for row in rows], **lt)
+                     for gi in range(len(self.layout.kda_groups))]
+        seq_to_row = {row.seq: r for r, row in enumerate(rows)}
+        checkpoints, other = self._split_checkpoints(batch, seq_to_row)
+        num_seqs = len(cu_b) - 1
+        if len(rows) < num_seqs:
+            padded = []
+            for si in batch.state_indices:
+                si = si.clone()
+                si[seqs] = -1  # a negative state index: the default ops skip these rows entirely
+                padded.append(si)
+            other = dataclasses.replace(batch, state_indices=padded, **other)
+        else:
+            other = None
+        self._step = _Step(rows=list(rows), buf_row={row.request_id: r for r, row in enumerate(rows)},
+                           tok=torch.tensor(tok, **lt), row_of_tok=torch.tensor(row_of, **lt),
+                           pos_of_tok=torch.tensor(pos_of, **lt), cu=cu, run_slots=run_slots,
+                           has_init=batch.has_initial_state[seqs].clone(), checkpoints=checkpoints,
+                           other=other)
+        if getattr(batch, "spec", None) is None:
+            batch.spec = SpecBatch(rows=list(rows))
+        batch.spec.kda_mix = self.kda_mix
+        batch.is_decode = False
+
+    @staticmethod
+    def _split_checkpoints(batch, seq_to_row):
+        """The batch's checkpoint exports of verified rows (done by this scheme), and the others'."""
+        if batch.checkpoint_seq is None:
+            return [], {}
+        seq = batch.checkpoint_seq.tolist()
+        off = batch.checkpoint_offsets.tolist()
+        slots = [s.tolist() for s in batch.checkpoint_slots]
+        mine = [n for n, s in enumerate(seq) if s in seq_to_row]
+        rest = [n for n, s in enumerate(seq) if s not in seq_to_row]
+        checkpoints = [(seq_to_row[seq[n]], off[n], [s[n] for s in slots]) for n in mine]
+        if not rest:
+            fields = dict(checkpoint_seq=None, checkpoint_offsets=None, checkpoint_slots=None)
+        else:
+            idx = torch.tensor(rest, dtype=torch.long, device=batch.checkpoint_seq.device)
+            fields = dict(checkpoint_seq=batch.checkpoint_seq[idx], checkpoint_offsets=batch.checkpoint_offsets[idx],
+                          checkpoint_slots=[s[idx] for s in batch.checkpoint_slots])
+        return checkpoints, fields
+
+    def kda_mix(self, model, i: int, j: int, gi: int, qkv: torch.Tensor, raw_g: torch.Tensor,
+                b_logit: torch.Tensor, batch) -> torch.Tensor:
+        st = self._step
+        if st is None:
+            return default_kda_mix(model, i, j, gi, qkv, raw_g, b_logit, batch)
+        self._model = model
+        cfg, w = model.cfg, model.w
+        p = f"model.layers.{i}.self_attn."
+        h, K, V = self.h, self.K, self.V
+        T = qkv.shape[0]
+        if st.other is not None:
+            o = default_kda_mix(model, i, j, gi, qkv, raw_g, b_logit, st.other)
+        else:
+            o = torch.zeros((T, h, V), dtype=qkv.dtype, device=qkv.device)
+        x = qkv[st.tok]
+        rg = raw_g[st.tok]
+        if x.dtype != self.conv_in[i].dtype or rg.dtype != self.key_gate[i].dtype:
+            raise TypeError(f"recover_ssm: activations {x.dtype}/{rg.dtype} vs side buffers "
+                            f"{self.conv_in[i].dtype} (the cache layout's activation dtype)")
+        R = len(st.rows)
+        self.conv_in[i][st.row_of_tok, st.pos_of_tok] = x
+        # the conv runs on a private copy of the running windows, so the running block is not written
+        window = model.kv.conv_view(j)[st.run_slots[gi]]
+        ar = torch.arange(R, dtype=torch.long, device=x.device)
+        y = ops.causal_conv1d_varlen(x, model.conv_w[i], window, ar, st.cu, st.has_init, activation="silu")
+        q, k, v = (t.reshape(-1, h, K) for t in y.split(h * K, dim=-1))  # the page's state is [h, d, d]: V == K
+        self.key_gate[i][st.row_of_tok, st.pos_of_tok] = torch.cat([k, rg], dim=-1)
+        g = ops.kda_gate(rg, w[p + "A_log"], w[p + "dt_bias"], cfg.gate_lower_bound)
+        beta = torch.sigmoid(b_logit[st.tok].to(model.acc))
+        ov = kda_recover_verify(q, k, v, g, beta, model.kv.ssm_view(j), st.run_slots[gi], st.cu, st.has_init,
+                                self.corr[i], scale=K ** -0.5, use_qk_l2norm=True)
+        o[st.tok] = ov.to(o.dtype)
+        if st.checkpoints:  # exports the batch asked for at verified rows (offset 1: always accepted)
+            by_row: dict[int, list[tuple[int, int]]] = {}
+            for r, off, blocks in st.checkpoints:
+                by_row.setdefault(r, []).append((off, blocks[gi]))
+            for r, entries in by_row.items():
+                self._fold_layer(model, i, j, gi, r, entries)
+        return o
+
+    # -- commit ---------------------------------------------------------------------------------
+    def commit(self, row: VerifyRow, accepted_len: int, snapshots: list[tuple[int, list[int]]]) -> None:
+        st = self._step
+        if st is None or row.request_id not in st.buf_row:
+            raise ValueError(f"recover_ssm: commit of {row.request_id!r}, which this step did not verify")
+        if not 1 <= accepted_len <= row.num_tokens:
+            raise ValueError(f"accepted_len {accepted_len} outside [1, {row.num_tokens}]")
+        if self._model is None:
+            raise RuntimeError("recover_ssm: commit before any KDA layer ran the verify (batch.spec.kda_mix unused)")
+        r = st.buf_row[row.request_id]
+        for i, gi, j in self.layers:
+            entries = [(off, blocks[gi]) for off, blocks in snapshots]
+            entries.append((accepted_len, row.running_slots[gi]))
+            self._fold_layer(self._model, i, j, gi, r, entries)
+
+    def _fold_layer(self, model, i: int, j: int, gi: int, r: int, entries: list[tuple[int, int]]) -> None:
+        """Write the fold of buffer row r's first `off` tokens into `block`, for each (off, block), at
+        KDA layer i (page position j); the running block is read (S0) before any block is written."""
+        st = self._step
+        cfg, w = model.cfg, model.w
+        p = f"model.layers.{i}.self_attn."
+        K = self.K
+        T = self.T
+        N = len(entries)
+        dev = self.corr[i].device
+        lt = dict(dtype=torch.long, device=dev)
+        run = st.run_slots[gi][r : r + 1].expand(N)
+        init = st.has_init[r : r + 1].expand(N)
+        counts = torch.tensor([off for off, _ in entries], **lt)
+        outs = torch.tensor([blk for _, blk in entries], **lt)
+        kg = self.key_gate[i][r]  # [T, h, 2K]
+        g = ops.kda_gate(kg[..., K:], w[p + "A_log"], w[p + "dt_bias"], cfg.gate_lower_bound)
+        k = kg[..., :K]
+        kda_recover_fold(model.kv.ssm_view(j), run, init, k.expand(N, T, -1, -1), g.expand(N, T, -1, -1),
+                         self.corr[i][r].expand(N, T, -1, -1), counts, outs, use_qk_l2norm=True)
+        conv_window_fold(model.kv.conv_view(j), run, init, self.conv_in[i][r].expand(N, T, -1), counts, outs)
+
+    def end_verify(self) -> None:
+        self._step = None
+
+
+SCHEMES[RecoverSSMRollback.name] = RecoverSSMRollback
