@@ -25,7 +25,7 @@ from k3serve.workers.engine_cli import (
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {"serve": (serve, ["/m"]), "worker": (worker, ["--model", "/m"]), "generate": (generate_cli, None)}
-CANDIDATES = ("7", "3M", "dense", "0.5", "x", "h:1")  # tried in order for a field's non-default CLI value
+CANDIDATES = ("7", "3M", "dense", "0.5", "x", "h:1", '{"method": "ngram", "num_speculative_tokens": 2}')  # tried in order for a field's non-default CLI value
 
 
 def _parser(module):

@@ -49,6 +49,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from k3serve.common.sizes import parse_size
+from k3serve.workers.engine.spec.config import parse_speculative_config
 
 CLI = "k3serve.cli"  # the metadata key arg() stores its Flag under
 
@@ -240,3 +241,8 @@ class EngineArgs:
     master_addr: str = arg("127.0.0.1", "the group leader's address (node 0): its rendezvous binds the address "
                            "this resolves to", metavar="HOST")
     master_port: int = arg(29500, "the group leader's rendezvous port (a TCPStore)", parse=_port)
+    # Speculative decoding (workers/engine/spec/, docs/serving.md "Speculative decoding")
+    speculative_config: dict | None = arg(
+        None, "speculative decoding, a JSON object in vLLM's shape: {\"method\": \"mtp\"|\"ngram\", "
+        "\"num_speculative_tokens\": K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N, "
+        "\"rollback\": \"multi_slot\"|\"recover_ssm\"}", parse=parse_speculative_config, metavar="JSON")

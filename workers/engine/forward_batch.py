@@ -24,3 +24,4 @@ class ForwardBatch:
     checkpoint_slots: list[torch.Tensor] | None  # per KDA group [N] int64
     logits_indices: torch.Tensor  # [S] rows whose logits are needed
     is_decode: bool = False  # one token per sequence and no checkpoints: the fused decode path applies
+    spec: object | None = None  # a verify step's workers/engine/spec/rollback.py SpecBatch (None: none)

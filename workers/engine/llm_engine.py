@@ -34,6 +34,35 @@ DEFAULT_CPU_KV_BYTES = 256 << 20
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters (vLLM's vllm:spec_decode_* metrics, workers/metrics.py)."""
+
+    k: int
+    num_drafts: int = 0  # verify chunks with at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at each position
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.k
+
+    def count(self, drafts: list[list[int]], accepted: list[int]) -> None:
+        for d, a in zip(drafts, accepted):
+            if not d:
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += len(d)
+            self.num_accepted_tokens += a
+            for i in range(a):
+                self.accepted_per_pos[i] += 1
+
+    def as_dict(self) -> dict:
+        return dict(spec_decode_num_drafts=self.num_drafts, spec_decode_num_draft_tokens=self.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(self.accepted_per_pos))
+
+
+@dataclass
 class _Seq:
     req: Request
     sampling: SamplingState
@@ -122,6 +151,9 @@ class LLMEngine:
         self.layout = layout
         caching = bool(args.enable_prefix_caching)
         min_blocks = layout.min_blocks_for(self.max_model_len, caching)
+        self.spec = self._speculation(args, cfg, tp)
+        if self.spec is not None:  # a speculating request's extra KDA blocks (workers/engine/spec/rollback.py)
+            min_blocks += len(layout.kda_groups) * self.spec_scheme.extra_slots(self.spec.num_speculative_tokens)
         kv_bytes = self._kv_budget(args.kv_cache_memory, min_blocks * layout.bytes_per_block)
         num_blocks = kv_bytes // layout.bytes_per_block
         if num_blocks < min_blocks:
@@ -142,9 +174,13 @@ class LLMEngine:
             retention=args.prefix_cache_retention_interval, selective=args.prefix_cache_selective_retention,
             model_fingerprint=fp)
         self.connector = self._build_connectors(args, fp, list(kv_connectors or ())) if want_connectors else None
+        spec = self.spec
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                                   connector=self.connector.scheduler if self.connector else None)
+                                   connector=self.connector.scheduler if self.connector else None,
+                                   num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+                                   spec_extra_slots=(self.spec_scheme.extra_slots(spec.num_speculative_tokens)
+                                                     if spec else None))
         if dp is not None:  # a DEP rank: attention TP=1, routed experts expert-parallel over the group
             from k3serve.workers.engine.parallel.dp_engine import start_dp_runner
 
@@ -164,12 +200,37 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.worker.register_kv_caches(self.runner.kv)
         self.sampler = Sampler(seed=args.seed)
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
+        if spec is not None:
+            from k3serve.workers.engine.spec.proposers import build_proposer
+            from k3serve.workers.engine.spec.rejection_sampler import RejectionSampler
+
+            self.runner.enable_speculation(self.spec_scheme, spec.num_speculative_tokens, args.max_num_seqs,
+                                           keep_hidden=spec.method == "mtp")
+            self.proposer = build_proposer(spec, cfg, self.runner.model.w, self.dtype)
+            self.rejection_sampler = RejectionSampler(self.sampler)
         self.structured = StructuredStage(lambda: self.tokenizer, cfg.vocab_size)  # workers/structured/stage.py
         self.seqs: dict[str, _Seq] = {}
         self.parents: dict[str, _Parent] = {}
         self._ids = itertools.count()
         self.last_step_time = 0.0
         self.num_steps = 0
+
+    def _speculation(self, args: EngineArgs, cfg, tp: int):
+        """The checked speculative config (None: off) and its rollback scheme class (`spec_scheme`)."""
+        from k3serve.workers.engine.spec.config import speculative_config_from
+
+        spec = speculative_config_from(getattr(args, "speculative_config", None))
+        self.spec_scheme = None
+        if spec is None:
+            return None
+        spec.check_model(cfg)
+        if tp != 1:
+            raise ValueError("speculative_config: not implemented with tensor_parallel_size > 1")
+        from k3serve.workers.engine.spec.rollback import scheme_class
+
+        self.spec_scheme = scheme_class(spec.rollback)
+        return spec
 
     @staticmethod
     def freeze_gc() -> None:
@@ -356,26 +417,51 @@ class LLMEngine:
             self.scheduler.end_step()
         failed = kv_out.failed_recving if kv_out is not None else ()
         sample_chunks = [c for c in sched.chunks if c.sample]
+        drafts = sched.spec_token_ids
         if failed:  # a failed load: that request's step output is discarded (it recomputes)
             keep = [i for i, c in enumerate(sample_chunks) if c.request_id not in failed]
             if logits is not None and len(keep) != len(sample_chunks):
-                logits = logits[keep]
+                first = 0
+                rows = []
+                for c in sample_chunks:  # a verify chunk has 1 + drafts logits rows
+                    n = 1 + len(drafts.get(c.request_id, ()))
+                    if c.request_id not in failed:
+                        rows.extend(range(first, first + n))
+                    first += n
+                logits = logits[rows]
             sample_chunks = [sample_chunks[i] for i in keep]
         changed: dict[str, _Parent] = {}
-        sampled: dict[str, int] = {}
+        sampled: dict[str, int | list[int]] = {}
         lps: dict[str, object] = {}
-        if sample_chunks:
+        if sample_chunks and self.spec is not None:
+            seqs = [self.seqs[c.request_id] for c in sample_chunks]
+            req_drafts = [drafts.get(c.request_id, []) for c in sample_chunks]
+            result = self.rejection_sampler(logits, [s.sampling for s in seqs], req_drafts)
+            for row, (s, toks) in enumerate(zip(seqs, result.token_ids)):
+                sampled[s.req.request_id] = [int(t) for t in toks]
+                lps[s.req.request_id] = result.logprobs[row] if result.logprobs else None
+            self.spec_stats.count(req_drafts, result.num_accepted)
+        elif sample_chunks:
             seqs = [self.seqs[c.request_id] for c in sample_chunks]
             result = self.sampler(logits, [s.sampling for s in seqs])
             for row, (s, tok) in enumerate(zip(seqs, result.token_ids)):
                 sampled[s.req.request_id] = int(tok)
                 lps[s.req.request_id] = result.logprobs[row] if result.logprobs else None
         got = self.scheduler.update_from_output(sched, sampled, kv_out)
+        if self.spec is not None:
+            self.runner.commit_speculation(self.scheduler.spec_commits)
         now = time.monotonic()
         for req in got:
             s = self.seqs[req.request_id]
-            self._process_token(s, sampled[req.request_id], lps[req.request_id], now)
+            tok = sampled[req.request_id]
+            if isinstance(tok, list):
+                self._process_run(s, tok[:self.scheduler.num_appended.get(req.request_id, 1)],
+                                  lps[req.request_id], now)
+            else:
+                self._process_token(s, tok, lps[req.request_id], now)
             changed[req.parent_id] = self.parents[req.parent_id]
+        if self.spec is not None:
+            self._propose(sched, failed)
         self._publish_events()
         for parent in changed.values():
             outputs.append(self._make_output(parent))
@@ -385,7 +471,40 @@ class LLMEngine:
         self.last_step_time = time.monotonic() - t0
         return outputs
 
-    def _process_token(self, s: _Seq, tok: int, lp, now: float) -> None:
+    def _process_run(self, s: _Seq, toks: list[int], lps, now: float) -> None:
+        """The output processor over a verify step's tokens (the scheduler appended them, stopping at a
+        token-level stop): one `_process_token` each; a stop string found before the last one finishes
+        the request there and the tokens after it are removed."""
+        req = s.req
+        base = len(req.output_token_ids) - len(toks)
+        for i, tok in enumerate(toks):
+            self._process_token(s, tok, lps[i] if lps is not None else None, now, last=i == len(toks) - 1)
+            if s.detok.stopped_by is not None and i < len(toks) - 1:
+                del req.output_token_ids[base + i + 1:]
+                del req.all_token_ids[req.num_prompt_tokens + base + i + 1:]
+                break
+
+    def _propose(self, sched, failed) -> None:
+        """After the step: feed the drafter what the target verified, then draft for the requests that
+        decode next (workers/engine/spec/proposers.py)."""
+        prop = self.proposer
+        hidden = self.runner.model.hidden if prop.needs_hidden else None
+        first = 0
+        for c in sched.chunks:
+            n = len(c.token_ids)
+            s = self.seqs.get(c.request_id)
+            req = s.req if s is not None else None
+            if req is None or req.is_finished or c.request_id in failed or req.status != RequestStatus.RUNNING:
+                first += n
+                continue
+            if hidden is not None:
+                verified = req.num_computed_tokens - c.start  # a verify chunk keeps 1 + accepted drafts
+                prop.observe(req, c.start, hidden[first:first + verified], verified)
+            first += n
+            if req.num_tokens - req.num_computed_tokens == 1:
+                req.spec_token_ids = prop.propose(req)
+
+    def _process_token(self, s: _Seq, tok: int, lp, now: float, last: bool = True) -> None:
         """The output processor: the scheduler appended `tok` and applied the token-level stops;
         here logprobs, detokenization and stop strings (which finish the request through the
         scheduler)."""
@@ -401,7 +520,8 @@ class LLMEngine:
                     entry[tid] = Logprob(val, rank, self.tokenizer.decode([tid]) if self.tokenizer else None)
             s.logprobs.append(entry)
             s.cumulative_logprob += lp[0][1]
-        by_token = req.status if req.is_finished else None  # EOS / stop id / length, set by the scheduler
+        # EOS / stop id / length, set by the scheduler (at the last token of a verify step's run)
+        by_token = req.status if req.is_finished and last else None
         s.detok.push([tok])
         stop = s.detok.stopped_by
         if stop is not None and by_token in (None, RequestStatus.FINISHED_LENGTH):
@@ -434,6 +554,8 @@ class LLMEngine:
     def _retire(self, parent: _Parent) -> None:
         for sid in parent.seq_ids:
             self.seqs.pop(sid, None)
+            if self.spec is not None:
+                self.proposer.drop(sid)
         self.parents.pop(parent.request_id, None)
 
     # -- introspection -------------------------------------------------------------------------
@@ -455,6 +577,8 @@ class LLMEngine:
             block_size=self.layout.block_size, page_bytes=self.layout.page_bytes,
             num_blocks=self.num_blocks, max_model_len=self.max_model_len,
         )
+        if self.spec is not None:
+            out.update(self.spec_stats.as_dict())
         if self.connector is not None:
             out.update(prefill_tokens_loaded=ss.prefill_tokens_loaded, kv_load_failures=ss.load_failures,
                        kv_pages_held=sum(len(b) for q, _d, _w in sch.delayed_free.values()

@@ -35,7 +35,7 @@ class InputBuffers:
                              for _ in layout.mla_groups]
         self.slot_mapping = [torch.zeros(max_tokens, **i64) for _ in layout.mla_groups]
         self.state_indices = [torch.zeros(max_seqs, **i64) for _ in layout.kda_groups]
-        self.logits_indices = torch.zeros(max_seqs, **i64)
+        self.logits_indices = torch.zeros(max(max_seqs, max_tokens), **i64)  # verify steps: 1 + k rows a request
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
 
 
@@ -207,7 +207,13 @@ class InputPreparer:
                 ck_off.append(off)
                 for gi, s in enumerate(slots):
                     ck_slots[gi].append(s)
-        sample_rows = np.fromiter((cu[r + 1] - 1 for r, c in enumerate(chunks) if c.sample), np.int64)
+        spec = sched.spec_token_ids
+        if spec:  # a verify chunk (speculative decoding) needs the logits of every one of its rows
+            sample_rows = np.fromiter((i for r, c in enumerate(chunks) if c.sample
+                                       for i in (range(cu[r], cu[r + 1]) if c.request_id in spec
+                                                 else (cu[r + 1] - 1,))), np.int64)
+        else:
+            sample_rows = np.fromiter((cu[r + 1] - 1 for r, c in enumerate(chunks) if c.sample), np.int64)
         logits_idx = put(buf.logits_indices, sample_rows)
         if ck_seq:
             lt = dict(dtype=torch.long, device=dev)
@@ -240,6 +246,40 @@ class ModelRunner:
         self.graphs: dict[int, _Graph] = {}
         self._graph_pool = None
         self.num_static_decode_steps = 0
+        self.rollback = None  # speculative decoding: a workers/engine/spec/rollback.py RollbackScheme
+        self._verify_rows: dict = {}
+
+    def enable_speculation(self, scheme_cls, num_speculative_tokens: int, max_num_seqs: int,
+                           keep_hidden: bool) -> None:
+        """Verify steps with `scheme_cls` rollback; `keep_hidden`: keep the forward's pre-final-norm states
+        (`self.model.hidden`, every row) for the MTP drafter. Captured decode graphs never run verify
+        chunks (several tokens a request); with keep_hidden they are switched off."""
+        self.rollback = scheme_cls(self.kv, self.layout, num_speculative_tokens, max_num_seqs)
+        self.model.keep_hidden = keep_hidden
+        if keep_hidden:
+            self.static_decode = False
+
+    def commit_speculation(self, commits) -> None:
+        """After sampling: (request id, accepted_len, snapshots) per verified request still running."""
+        for rid, accepted, snaps in commits:
+            self.rollback.commit(self._verify_rows[rid], accepted, snaps)
+        if self.rollback is not None:
+            self.rollback.end_verify()
+        self._verify_rows = {}
+
+    def _begin_verify(self, sched: SchedulerOutput, batch: ForwardBatch) -> None:
+        from k3serve.workers.engine.spec.rollback import SpecBatch, VerifyRow
+
+        tb = self.inputs.tables
+        rows = []
+        for r, c in enumerate(sched.chunks):
+            if c.request_id in sched.spec_token_ids:
+                row = tb.row_of[c.request_id]
+                rows.append(VerifyRow(c.request_id, r, c.start, len(c.token_ids),
+                                      [int(t[row]) for t in tb.kda], sched.spec_slots[c.request_id]))
+        self._verify_rows = {v.request_id: v for v in rows}
+        batch.spec = SpecBatch(rows)
+        self.rollback.begin_verify(rows, batch)
 
     def execute(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns logits for the chunks with `sample=True`, in chunk order (None for
@@ -261,7 +301,10 @@ class ModelRunner:
                 graph.graph.replay()
                 return graph.logits[:n]
             # capture refused (the step waits for the host): this step and the next ones run eagerly
-        return self.model.forward(self.inputs.prepare(sched))
+        batch = self.inputs.prepare(sched)
+        if sched.spec_token_ids and self.rollback is not None:
+            self._begin_verify(sched, batch)
+        return self.model.forward(batch)
 
     def _capture(self, size: int) -> _Graph | None:
         """Capture the decode step of `size` rows. Warm-up and capture run on an all-padding batch

@@ -58,6 +58,8 @@ class Request:
     kv_transfer_params_out: dict | None = None  # returned by the connector at finish
     num_external_tokens: int = 0  # tokens a connector loaded at the last admission
     kv_load_failed: bool = False  # a connector load failed: recompute, ask no connector again
+    # speculative decoding: the proposer's drafts for the next step (dropped on preemption)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -62,7 +62,10 @@ def token_budget(max_num_batched_tokens: int, running: list[Request], num_spec_t
 class Scheduler:
     def __init__(self, kv: KVCacheCoordinator, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, num_spec_tokens: int = 0, connector: KVConnectorScheduler | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, spec_extra_slots: int | None = None):
+        """`spec_extra_slots`: speculative decoding is on (drafts come in `Request.spec_token_ids`, set by
+        the engine's proposer; up to `num_spec_tokens` of them verified a step) and each speculating
+        request holds that many extra KDA blocks per KDA group (workers/engine/spec/rollback.py)."""
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -82,6 +85,9 @@ class Scheduler:
         self._in_runner: set[str] = set()
         self._left_runner: set[str] = set()
         self._sync_loads: list[Request] = []  # admitted this step with a synchronous load
+        self.spec_extra_slots = spec_extra_slots
+        self.spec_commits: list[tuple[str, int, list]] = []  # (request id, accepted_len, snapshots) of the step
+        self.num_appended: dict[str, int] = {}  # tokens update_from_output appended per request this step
 
     # compatible names (the engine's stats and older tests read these)
     @property
@@ -167,7 +173,9 @@ class Scheduler:
         self._expire_delayed()
         out = SchedulerOutput(step=self.step_id, finished_req_ids=self._left_runner)
         self._left_runner = set()
-        budget = token_budget(self.max_num_batched_tokens, self.running, self.num_spec_tokens)
+        spec = self.spec_extra_slots is not None
+        budget = (self.max_num_batched_tokens if spec  # verify chunks count their drafts themselves
+                  else token_budget(self.max_num_batched_tokens, self.running, self.num_spec_tokens))
         scheduled: set[str] = set()
         kv = self.kv
 
@@ -178,7 +186,15 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            plan = kv.extend(req, n)
+            drafts = self._drafts(req, budget) if spec and n == 1 and req.spec_token_ids else None
+            if drafts:
+                n = 1 + len(drafts)
+                plan = kv.extend(req, n)
+                if plan is None:  # no room for the lookahead pages: this step without drafts
+                    drafts, n = None, 1
+                    plan = kv.extend(req, n)
+            else:
+                plan = kv.extend(req, n)
             while plan is None:
                 victim = self._pick_victim(scheduled)
                 if victim is None or victim is req:
@@ -189,7 +205,7 @@ class Scheduler:
             if plan is None:
                 self._preempt(req, out)
                 continue  # `running` shrank: index i now points at the next one
-            self._emit(out, req, n, plan)
+            self._emit(out, req, n, plan, drafts)
             scheduled.add(req.request_id)
             budget -= n
             i += 1
@@ -263,7 +279,22 @@ class Scheduler:
         # adopted, no local KDA snapshot is copied: the load writes the state at its end)
         return e, m.is_async, self.kv.truncate_hit(hit, aligned)
 
-    def _emit(self, out: SchedulerOutput, req: Request, n: int, plan: StepPlan) -> None:
+    def _drafts(self, req: Request, budget: int) -> list[int] | None:
+        """The drafts a decode-phase request verifies this step: within the token budget, the context
+        (max_model_len) and max_tokens (the step adds at most drafts + 1 tokens), with its extra KDA
+        blocks held (None when the pool has no room for them)."""
+        p = req.params
+        cap = min(self.num_spec_tokens, budget - 1, self.max_model_len - req.num_tokens)
+        if p.max_tokens is not None:
+            cap = min(cap, p.max_tokens - req.num_output_tokens - 1)
+        if cap <= 0:
+            return None
+        if self.kv.spec_slots(req, self.spec_extra_slots) is None:
+            return None
+        return list(req.spec_token_ids[:cap])
+
+    def _emit(self, out: SchedulerOutput, req: Request, n: int, plan: StepPlan,
+              drafts: list[int] | None = None) -> None:
         start = req.num_computed_tokens
         rid = req.request_id
         if start < req.prefill_end:
@@ -276,9 +307,15 @@ class Scheduler:
             out.new_requests.append(NewRequestData(rid, [[b.block_id for b in blks] for blks in st.mla],
                                                    [b.block_id for b in st.kda]))
             new_ids = []
-        toks = req.all_token_ids[start:start + n] if n > 1 else [req.all_token_ids[start]]
-        out.chunks.append(ScheduledChunk(rid, toks, start, start + n == req.num_tokens, new_ids,
-                                         plan.checkpoints))
+        if drafts:  # a verify chunk: the last sampled token, then the drafts; logits at every row
+            out.chunks.append(ScheduledChunk(rid, [req.all_token_ids[start], *drafts], start, True, new_ids,
+                                             plan.checkpoints))
+            out.spec_token_ids[rid] = drafts
+            out.spec_slots[rid] = self.kv.spec_slots(req, self.spec_extra_slots)
+        else:
+            toks = req.all_token_ids[start:start + n] if n > 1 else [req.all_token_ids[start]]
+            out.chunks.append(ScheduledChunk(rid, toks, start, start + n == req.num_tokens, new_ids,
+                                             plan.checkpoints))
         if plan.copies:
             out.copies.extend(plan.copies)
         req.num_computed_tokens = start + n
@@ -292,6 +329,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        req.spec_token_ids = []  # drafts are dropped: the request recomputes
         self._in_runner.discard(req.request_id)  # the runner drops it through `out.preempted`
         out.preempted.append(req.request_id)
         req.status = RequestStatus.PREEMPTED
@@ -305,10 +343,17 @@ class Scheduler:
         self.kv.end_step()
 
     # -- after the forward pass ----------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]],
                            kv_out: KVConnectorOutput | None = None) -> list[Request]:
         """Apply the connector's report, then append each sampled token and apply token-level stops.
-        Returns the requests that got a token, in chunk order (finished ones have a final status)."""
+        Returns the requests that got a token, in chunk order (finished ones have a final status).
+
+        A verify chunk's entry is a list: the accepted drafts then the correction/bonus token. They are
+        appended one by one and the stops apply inside the run (nothing past a stop is kept); a request
+        still running then has `num_computed_tokens` = start + tokens appended, and its rollback commit
+        (request id, accepted_len, boundary snapshots) is queued in `spec_commits` for the runner."""
+        self.spec_commits = []
+        self.num_appended = {}
         failed: set[str] = set()
         if kv_out is not None:
             failed = self._apply_connector_output(kv_out)
@@ -325,23 +370,32 @@ class Scheduler:
             req = self.requests.get(c.request_id)
             if req is None or req.is_finished or c.request_id in failed:
                 continue
-            req.output_token_ids.append(tok)
-            req.all_token_ids.append(tok)
-            kv.update_hashes(req)
             got.append(req)
+            toks = tok if isinstance(tok, list) else (tok,)
             p = req.params
-            nout = len(req.output_token_ids)
-            status = None
-            if nout >= p.min_tokens:
-                if not p.ignore_eos and tok == req.eos_token_id:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif tok in p.stop_token_ids:
-                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-            if status is None and ((p.max_tokens is not None and nout >= p.max_tokens)
-                                   or len(req.all_token_ids) >= self.max_model_len):
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                self.finish(req, status)
+            n = 0
+            for tok in toks:
+                n += 1
+                req.output_token_ids.append(tok)
+                req.all_token_ids.append(tok)
+                kv.update_hashes(req)
+                nout = len(req.output_token_ids)
+                status = None
+                if nout >= p.min_tokens:
+                    if not p.ignore_eos and tok == req.eos_token_id:
+                        status = RequestStatus.FINISHED_STOPPED
+                    elif tok in p.stop_token_ids:
+                        status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+                if status is None and ((p.max_tokens is not None and nout >= p.max_tokens)
+                                       or len(req.all_token_ids) >= self.max_model_len):
+                    status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    self.finish(req, status)
+                    break
+            self.num_appended[c.request_id] = n
+            if c.request_id in out.spec_token_ids and not req.is_finished:
+                req.num_computed_tokens = c.start + n  # the rejected drafts' positions are recomputed
+                self.spec_commits.append((c.request_id, n, kv.commit_spec(req, c.start, n)))
         return got
 
     def stop_by_string(self, req: Request, stop: str) -> None:

@@ -39,7 +39,11 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     kv_connector_metadata: Any = None  # workers/engine/kv_connector/base.py KVConnectorMetadata
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # empty until spec decoding
+    # speculative decoding (workers/engine/spec/): the drafts in a request's chunk (its chunk is the last
+    # sampled token followed by them, `sample` at every position) and its rollback scheme's extra KDA
+    # blocks per KDA group (workers/engine/spec/rollback.py; [] per group for schemes without any)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_slots: dict[str, list[list[int]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

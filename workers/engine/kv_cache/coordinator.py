@@ -74,6 +74,7 @@ class _ReqState:
     loading: bool = False  # a connector load is unconfirmed: full-block keys held back
     num_local: int = 0  # tokens of the local hit at admission (pages before it are shared)
     step_snaps: list[Block] = field(default_factory=list)  # snapshots exported this step
+    spec: list[list[Block]] = field(default_factory=list)  # per KDA group: speculative decoding's extra blocks
 
 
 _NO_BLOCKS: list[list[int]] = []
@@ -311,7 +312,9 @@ class KVCacheCoordinator:
             B = self.B
             # decode fast path: nothing to key unless `end` reaches a unit or block end
             if end - start != 1 or end % self.unit == 0 or end % B == 0:
-                self.mla.register(req, st.mla, st, start, end, self.step)
+                # a verify chunk runs past the known tokens (its drafts): key only what is known;
+                # `commit_spec` keys the accepted rest
+                self.mla.register(req, st.mla, st, start, min(end, req.num_tokens), self.step)
         return StepPlan(_NO_BLOCKS, checkpoints, copies)
 
     def confirm_load(self, req: Request) -> None:
@@ -344,6 +347,45 @@ class KVCacheCoordinator:
         for blks in st.mla:
             self.pool.free_blocks(list(reversed(blks)))
         self.pool.free_blocks(st.kda)
+        for blks in st.spec:
+            self.pool.free_blocks(blks)
+
+    # -- speculative decoding (workers/engine/spec/) --------------------------------------------
+    def spec_slots(self, req: Request, n: int) -> list[list[int]] | None:
+        """The request's `n` extra KDA blocks per KDA group for its rollback scheme (allocated on first
+        use, kept until it is freed or preempted; private, never keyed, never exchanged: `block_ids`
+        does not list them). None if the pool cannot hold them now."""
+        st = self.reqs[req.request_id]
+        if not st.spec and n and self.kda_groups:
+            if self.pool.num_free < n * len(self.kda_groups):
+                return None
+            st.spec = [self.pool.allocate(n) for _ in self.kda_groups]
+        return [[b.block_id for b in blks] for blks in st.spec] if st.spec else [[] for _ in self.kda_groups]
+
+    def commit_spec(self, req: Request, start: int, verified: int) -> list[tuple[int, list[int]]]:
+        """After a verify chunk at `start` kept `verified` tokens (its hashes already updated): key the
+        accepted MLA pages and units, and allocate + key a snapshot block per KDA group for each retained
+        boundary p with start + 1 < p <= start + verified (start + 1 was exported at schedule time).
+        Returns [(p - start, [block per KDA group])]: the rollback scheme writes the state there now
+        (workers/engine/spec/rollback.py `commit`), before any later step can read it."""
+        st = self.reqs.get(req.request_id)
+        end = start + verified
+        if st is None or not self.enable_caching:
+            return []
+        if self.mla_groups:
+            self.mla.register(req, st.mla, st, start, end, self.step)
+        if not self.kda_groups:
+            return []
+        out = []
+        for p in self.kda.checkpoint_positions(req, start + 1, end):
+            if self.pool.num_free < len(self.kda_groups):
+                break
+            snap, h, _parent = self.kda.export(req, p, self.step)
+            self._step_refs.extend(snap)  # held until the next step ends (written right after this call)
+            if p % self.B and self.mla_groups:
+                self.mla.register_boundary(req, st.mla, p, h, self.step)
+            out.append((p - start, [b.block_id for b in snap]))
+        return out
 
     def block_ids(self, req: Request) -> tuple[list[int], ...]:
         """The request's pages per cache group, indexed by group id (connector `BlockIds`)."""

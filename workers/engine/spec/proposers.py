@@ -1,0 +1,221 @@
+"""Draft proposers for the engine: prompt-lookup n-grams and the checkpoint's MTP layers.
+
+Both are driven by the engine (workers/engine/llm_engine.py) after each step:
+
+    proposer.observe(req, start, hidden, verified)   # MTP only: the step computed `verified` tokens of
+                                                     # `req` from position `start`, `hidden` [verified, H]
+                                                     # their pre-final-norm target states
+    req.spec_token_ids = proposer.propose(req)       # up to k drafts after req.all_token_ids
+    proposer.drop(request_id)                        # the request left the engine
+
+MTP (design doc §1.7; reference form without caches: workers/model/mtp.py `mtp_propose`, which
+`MTPProposer` reproduces draft for draft). The MTP layer is an MLA layer, so it has its own latent cache:
+per request and MTP layer a dense, growable [positions, kv_lora_rank + rope dim] buffer on the model's
+device, OUTSIDE the engine's page pool, its prefix cache and everything P/D or the store exchange (a
+prefill pool without speculation and a decode pool with it keep one page layout). Entry t is the MTP
+layer's latent for the pair (h_t, x_{t+1}) — the target's hidden state at t and the token after it — so
+it is written once the target has verified position t and the token after it is known. Draft-time
+entries (positions past the verified ones) live only inside `propose`. Positions the target never
+computed in this engine (a prefix-cache hit, a P/D or store load: the decode side computes only the
+last prompt token) have no entry: the drafter attends over what it has (fewer accepted drafts, never a
+different output: acceptance is checked against the target). Recomputation restarts the cache from the
+first recomputed position (preemption, a failed load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3serve.workers.model.functional import LayerWeights, acc_dtype, linear, rms_norm
+from k3serve.workers.model.mla import mla_output, mla_project
+from k3serve.workers.model.moe import dense_mlp, moe_forward
+from k3serve.workers.model.ngram_proposer import NgramProposer
+
+
+class NgramDrafter:
+    """Prompt lookup (workers/model/ngram_proposer.py) over the request's own tokens."""
+
+    needs_hidden = False
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.lookup = NgramProposer(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
+
+    def observe(self, req, start: int, hidden, verified: int) -> None:
+        pass
+
+    def propose(self, req) -> list[int]:
+        return self.lookup.propose(req.all_token_ids)
+
+    def drop(self, request_id: str) -> None:
+        pass
+
+
+@dataclass
+class _LayerCache:
+    c_kv: torch.Tensor  # [cap, r]
+    k_pe: torch.Tensor  # [cap, dr]
+    pos: torch.Tensor  # [cap] int64, increasing over the first n entries
+    n: int = 0
+
+
+@dataclass
+class _ReqCache:
+    layers: list[_LayerCache]
+    last: tuple[torch.Tensor, torch.Tensor] | None = None  # layer 0's (logits, h') at the last verified row
+    last_pos: int = -1  # that row's position
+    rows: int = 0  # positions observed (entries)
+    extra: dict = field(default_factory=dict)
+
+
+class MTPProposer:
+    """Greedy drafts from the checkpoint's MTP layers (cycled by draft step, as the reference)."""
+
+    needs_hidden = True
+
+    def __init__(self, cfg, weights: dict[str, torch.Tensor], dtype: torch.dtype, num_speculative_tokens: int):
+        from k3serve.workers.model.reference import dequantize_experts
+
+        n = int(cfg.num_nextn_predict_layers or 0)
+        if n < 1:
+            raise ValueError("speculative_config: method 'mtp' needs a checkpoint with an MTP layer")
+        self.cfg, self.dtype, self.k, self.n = cfg, dtype, num_speculative_tokens, n
+        L = cfg.num_hidden_layers
+        prefixes = tuple(f"model.layers.{L + j}." for j in range(n))
+        sub = {k: v for k, v in weights.items() if k.startswith(prefixes)}
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            sub[name] = weights[name]
+        self.w = dequantize_experts(sub, dtype)  # one layer's experts, dense (exact)
+        self.layer_w = [LayerWeights(self.w, p) for p in prefixes]
+        self.embed = [self._own(L + j, "embed_tokens.weight", "model.embed_tokens.weight") for j in range(n)]
+        self.head = [self._own(L + j, "shared_head.head.weight", "lm_head.weight").to(dtype) for j in range(n)]
+        self.device = self.w["model.embed_tokens.weight"].device
+        self.reqs: dict[str, _ReqCache] = {}
+        self.state_elems = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+    def _own(self, i: int, name: str, fallback: str) -> torch.Tensor:
+        own = f"model.layers.{i}.{name}"
+        return self.w[own] if own in self.w else self.w[fallback]
+
+    def cache_bytes(self) -> int:
+        """Bytes the MTP latent caches hold now (all requests, all MTP layers, allocated capacity)."""
+        return sum(c.c_kv.numel() * c.c_kv.element_size() + c.k_pe.numel() * c.k_pe.element_size()
+                   for rc in self.reqs.values() for c in rc.layers)
+
+    # -- the layer ---------------------------------------------------------------------------------
+    def _layer(self, j: int, h_prev: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+               cache: _LayerCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MTP layer j over query pairs (h_prev [Tq, H], next_ids [Tq]) at `positions` [Tq], attending to
+        `cache`'s entries and then to the queries themselves (causally). Returns (logits [Tq, V] acc dtype,
+        h_next [Tq, H], the queries' latents c_kv [Tq, r] and k_pe [Tq, dr])."""
+        cfg, dtype = self.cfg, self.dtype
+        lw = self.layer_w[j]
+        eps = cfg.rms_norm_eps
+        e = self.embed[j][next_ids].to(dtype)
+        e = e.masked_fill((positions == 0)[:, None], 0)
+        u = linear(torch.cat([rms_norm(e, lw["enorm.weight"], eps), rms_norm(h_prev.to(dtype), lw["hnorm.weight"],
+                                                                               eps)], -1), lw["eh_proj.weight"])
+        x = rms_norm(u, lw["input_layernorm.weight"], eps)
+        aw = lw.sub("self_attn.")
+        q_nope, q_pe, c_kv, k_pe = mla_project(x, aw, cfg, positions)
+        keys_c = torch.cat([cache.c_kv[:cache.n], c_kv], 0)
+        keys_pe = torch.cat([cache.k_pe[:cache.n], k_pe], 0)
+        kpos = torch.cat([cache.pos[:cache.n], positions], 0)
+        h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        wkv = aw["kv_b_proj.weight"].to(dtype).reshape(h, dn + dv, r)
+        q_lat = torch.einsum("qhd,hdr->qhr", q_nope, wkv[:, :dn, :])
+        scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+        scores = torch.einsum("qhr,sr->hqs", q_lat, keys_c) + torch.einsum("qhd,sd->hqs", q_pe, keys_pe)
+        # a query sees the cached entries (all at earlier positions) and the queries up to itself
+        nq = positions.shape[0]
+        mask = torch.zeros(nq, kpos.shape[0], dtype=torch.bool, device=kpos.device)
+        mask[:, cache.n:] = torch.ones(nq, nq, dtype=torch.bool, device=kpos.device).triu(1)
+        acc = acc_dtype(dtype)
+        p = torch.softmax((scores * scale).to(acc).masked_fill(mask[None], float("-inf")), dim=-1).to(dtype)
+        o_lat = torch.einsum("hqs,sr->qhr", p, keys_c)
+        o = torch.einsum("qhr,hvr->qhv", o_lat, wkv[:, dn:, :])
+        v = u + mla_output(o, x, aw, cfg)
+        y = rms_norm(v, lw["post_attention_layernorm.weight"], eps)
+        i = cfg.num_hidden_layers + j
+        v = v + (moe_forward(y, lw.sub("block_sparse_moe."), cfg) if cfg.is_moe_layer(i)
+                 else dense_mlp(y, lw.sub("mlp."), cfg))
+        logits = rms_norm(v, lw["shared_head.norm.weight"], eps) @ self.head[j].T
+        return logits.to(acc), v, c_kv, k_pe
+
+    # -- the engine's calls ------------------------------------------------------------------------
+    def _cache(self, rid: str) -> _ReqCache:
+        rc = self.reqs.get(rid)
+        if rc is None:
+            cfg, dev = self.cfg, self.device
+            cap = 64
+            rc = _ReqCache([_LayerCache(torch.zeros(cap, cfg.kv_lora_rank, dtype=self.dtype, device=dev),
+                                        torch.zeros(cap, cfg.qk_rope_head_dim, dtype=self.dtype, device=dev),
+                                        torch.zeros(cap, dtype=torch.long, device=dev))
+                            for _ in range(self.n)])
+            self.reqs[rid] = rc
+        return rc
+
+    @torch.inference_mode()
+    def observe(self, req, start: int, hidden: torch.Tensor, verified: int) -> None:
+        if verified <= 0:
+            return
+        ids = req.all_token_ids
+        if len(ids) < start + verified + 1:
+            return  # the token after the last verified one is not known (cannot happen for running requests)
+        rc = self._cache(req.request_id)
+        dev = self.device
+        positions = torch.arange(start, start + verified, device=dev)
+        nxt = torch.tensor(ids[start + 1:start + verified + 1], dtype=torch.long, device=dev)
+        for j, c in enumerate(rc.layers):
+            if c.n and int(c.pos[c.n - 1]) >= start:  # recomputation: drop entries from `start` on
+                c.n = int(torch.searchsorted(c.pos[:c.n], torch.tensor(start, device=dev)))
+            logits, h_next, c_kv, k_pe = self._layer(j, hidden[:verified], nxt, positions, c)
+            need = c.n + verified
+            if need > c.c_kv.shape[0]:
+                cap = max(need, 2 * c.c_kv.shape[0])
+                for name in ("c_kv", "k_pe", "pos"):
+                    old = getattr(c, name)
+                    new = torch.zeros((cap, *old.shape[1:]), dtype=old.dtype, device=dev)
+                    new[:c.n] = old[:c.n]
+                    setattr(c, name, new)
+            c.c_kv[c.n:need] = c_kv
+            c.k_pe[c.n:need] = k_pe
+            c.pos[c.n:need] = positions
+            c.n = need
+            if j == 0:
+                rc.last = (logits[-1], h_next[-1])
+                rc.last_pos = start + verified - 1
+
+    @torch.inference_mode()
+    def propose(self, req) -> list[int]:
+        """Greedy drafts after req.all_token_ids (whose last token is the one just sampled): needs the
+        step that verified position len - 2 to have been observed."""
+        rc = self.reqs.get(req.request_id)
+        if rc is None or rc.last is None or rc.last_pos != req.num_tokens - 2:
+            return []
+        logits, h = rc.last
+        d = int(torch.argmax(logits))
+        drafts = [d]
+        hs, toks = [h], [d]
+        dev = self.device
+        base = rc.last_pos + 1
+        for s in range(1, self.k):
+            j = s % self.n
+            positions = torch.arange(base, base + s, device=dev)
+            lg, hn, _c, _p = self._layer(j, torch.stack(hs), torch.tensor(toks, dtype=torch.long, device=dev),
+                                         positions, rc.layers[j])
+            d = int(torch.argmax(lg[-1]))
+            drafts.append(d)
+            hs.append(hn[-1])
+            toks.append(d)
+        return drafts
+
+    def drop(self, request_id: str) -> None:
+        self.reqs.pop(request_id, None)
+
+
+def build_proposer(spec, cfg, weights, dtype):
+    if spec.method == "ngram":
+        return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return MTPProposer(cfg, weights, dtype, spec.num_speculative_tokens)
