@@ -1,0 +1,282 @@
+"""The K3 forward pass over a flattened batch with the hybrid cache (the engine's model).
+
+Every sequence in the batch contributes a chunk of tokens at known positions; MLA layers write
+their latent pages then attend over the paged cache (absorbed form), KDA layers run the short conv
+and the chunked delta rule from / into their state slots, with in-pass snapshot exports. The hot
+ops come from `k3serve.kernels.ops` (reference PyTorch on the CPU, Triton on CUDA); the glue
+(projections, RoPE) is shared with the reference model's functional helpers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3serve.kernels import ops
+from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
+from k3serve.workers.engine.forward_batch import ForwardBatch
+from k3serve.workers.model.functional import LayerWeights, acc_dtype, rope_interleaved
+
+# the projections: `functional.linear` on the CPU; on CUDA decode-sized ones (<= 16 rows) take the skinny GEMM
+# (kernels/triton/gemv.py); the optional third argument is the compute dtype, the operands' cast folded in
+linear = ops.linear
+
+
+class K3ForwardModel:
+    def __init__(self, config, weights: dict[str, torch.Tensor], layout: CacheLayout,
+                 kv: KVCacheTensors, dtype: torch.dtype):
+        self.cfg = config
+        self.w = weights
+        self.layout = layout
+        self.kv = kv
+        self.dtype = dtype
+        self.acc = acc_dtype(dtype)
+        self.layer_map = layout.layer_map()
+        self.keep_hidden = False  # speculative decoding (MTP): keep the pre-final-norm states of every row
+        self.hidden: torch.Tensor | None = None  # [T, H] of the last forward when keep_hidden
+        self.group_index = {}  # group_id -> index among groups of its kind
+        for kind_groups in (layout.mla_groups, layout.kda_groups):
+            for i, g in enumerate(kind_groups):
+                self.group_index[g.group_id] = i
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Precompute fused views (conv weights, absorbed MLA matrices) once.
+
+        On the CPU the MXFP4 experts are dequantized once here (exact), since the reference MoE op
+        would otherwise decode every active expert at every step; on CUDA they stay packed for the
+        MXFP4 kernel.
+        """
+        cfg, w = self.cfg, self.w
+        self.experts_packed = bool(cfg.experts_mxfp4) and self.w["model.embed_tokens.weight"].is_cuda
+        if cfg.experts_mxfp4 and not self.experts_packed:
+            from k3serve.workers.model.reference import dequantize_experts
+
+            self.w = w = dequantize_experts(w, self.dtype)
+        self.w = w = dict(w)  # the merged projections below replace their parts in this (private) dict
+        self.conv_w: dict[int, torch.Tensor] = {}
+        self.split: dict[str, list[int]] = {}  # merged weight name -> output sizes of its parts
+        self.w_uk: dict[int, torch.Tensor] = {}
+        self.w_uv: dict[int, torch.Tensor] = {}
+        self.acc_w: dict[str, torch.Tensor] = {}  # weights the step uses in the accumulation dtype, cast once
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            if cfg.is_kda_layer(i):
+                self.conv_w[i] = torch.cat([w[p + f"{n}_conv1d.weight"] for n in "qkv"], 0).to(self.acc)
+                # every projection of x in a KDA layer as ONE matrix (one GEMM per step instead of six):
+                # q, k, v, the gate's low-rank input, beta, the output gate (or its low-rank input)
+                self._merge(p, ["q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj",
+                                "g_proj" if p + "g_proj.weight" in w else "g_a_proj"])
+                nq, nk, nv, *rest = self.split[p]
+                self.split[p] = [nq + nk + nv, *rest]  # q, k, v stay one slice: the conv takes them together
+                self._cast_acc(p + "o_norm.weight")
+            else:
+                h, dn, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
+                kvb = w[p + "kv_b_proj.weight"].view(h, dn + dv, r)
+                self.w_uk[i] = kvb[:, :dn, :].contiguous().to(self.dtype)
+                self.w_uv[i] = kvb[:, dn:, :].contiguous().to(self.dtype)
+                # the MLA projections of x: q (or its low-rank input), the latent kv + rope key, the output gate
+                self._merge(p, ["q_a_proj" if cfg.q_lora_rank else "q_proj", "kv_a_proj_with_mqa"]
+                            + (["g_proj"] if cfg.mla_use_output_gate else []))
+            if cfg.is_moe_layer(i):
+                m = f"model.layers.{i}.block_sparse_moe."
+                self._cast_acc(m + "gate.weight")
+                self._cast_acc(m + "gate.e_score_correction_bias")
+                names = ["routed_expert_down_proj"] if cfg.routed_expert_hidden_size else []
+                if cfg.num_shared_experts:
+                    names += ["shared_experts.gate_proj", "shared_experts.up_proj"]
+                if names:
+                    self._merge(m, names)
+                    if cfg.num_shared_experts:  # gate|up stay one slice, as the activation takes them
+                        *head, ng, nu = self.split[m]
+                        self.split[m] = [*head, ng + nu]
+            else:
+                self._merge(f"model.layers.{i}.mlp.", ["gate_proj", "up_proj"])
+                self.split[f"model.layers.{i}.mlp."] = [sum(self.split[f"model.layers.{i}.mlp."])]
+
+    def _merge(self, prefix: str, names: list[str]) -> None:
+        """Replace the projections `names` (all applied to the same input) by ONE matrix `in_proj_merged`."""
+        parts = [self.w.pop(prefix + n + ".weight") for n in names]
+        self.w[prefix + "in_proj_merged.weight"] = torch.cat(parts, 0)
+        self.split[prefix] = [t.shape[0] for t in parts]
+
+    def _cast_acc(self, name: str) -> None:
+        if name in self.w:
+            self.acc_w[name] = self.w[name].to(self.acc)
+
+    def _in_proj(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The merged input projections of a layer (see `_merge`), split back into their parts."""
+        return linear(x, w["in_proj_merged.weight"]).split(self.split[w.prefix], dim=-1)
+
+    # -- layers --------------------------------------------------------------------------------
+    def _kda(self, i: int, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        w = LayerWeights(self.w, f"model.layers.{i}.self_attn.")
+        group, j = self.layer_map[i]
+        gi = self.group_index[group.group_id]
+        T = x.shape[0]
+        h, d = cfg.kda_num_heads, cfg.kda_head_dim
+        P = h * d
+        qkv, f_a, b_logit, g_in = self._in_proj(w, x)
+        qkv = qkv.contiguous()
+        raw_g = linear(f_a, w["f_b_proj.weight"]).view(T, h, d)
+        gate = linear(g_in, w["g_b_proj.weight"]) if "g_b_proj.weight" in w else g_in.contiguous()
+        if b.is_decode:
+            # one token per sequence: conv update, gates, delta rule and gated norm in one fused op
+            y = ops.kda_decode(qkv, self.conv_w[i], self.kv.conv_view(j), raw_g, w["A_log"], w["dt_bias"],
+                               b_logit.contiguous(), gate, w["o_norm.weight"], self.kv.ssm_view(j),
+                               b.state_indices[gi], b.has_initial_state, lower_bound=cfg.gate_lower_bound,
+                               scale=d ** -0.5, eps=cfg.rms_norm_eps)
+            return linear(y.reshape(T, P), w["o_proj.weight"], x.dtype)
+        if b.spec is not None and b.spec.kda_mix is not None:  # a rollback scheme's verify (spec/rollback.py)
+            o = b.spec.kda_mix(self, i, j, gi, qkv, raw_g, b_logit, b)
+        else:
+            ck = self._ckpt(b, gi)
+            qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
+                                           b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
+            q, k, v = (t.reshape(T, h, d) for t in qkv.split(P, dim=-1))
+            g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
+            beta = torch.sigmoid(b_logit.to(self.acc))
+            o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
+                                b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
+        o = ops.rms_norm(o.to(self.acc), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps)
+        o = (o * torch.sigmoid(gate.view(T, h, d).to(self.acc))).to(x.dtype)
+        return linear(o.reshape(T, P), w["o_proj.weight"])
+
+    @staticmethod
+    def _ckpt(b: ForwardBatch, gi: int) -> dict:
+        if b.checkpoint_seq is None:
+            return {}
+        return dict(checkpoint_seq=b.checkpoint_seq, checkpoint_offsets=b.checkpoint_offsets,
+                    checkpoint_slots=b.checkpoint_slots[gi])
+
+    def _mla(self, i: int, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        w = LayerWeights(self.w, f"model.layers.{i}.self_attn.")
+        group, j = self.layer_map[i]
+        gi = self.group_index[group.group_id]
+        T = x.shape[0]
+        h, dn, dr, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim, cfg.kv_lora_rank)
+        eps = cfg.rms_norm_eps
+        q_in, kv_a, *g_in = self._in_proj(w, x)
+        if cfg.q_lora_rank:
+            q = linear(ops.rms_norm(q_in, w["q_a_layernorm.weight"], eps), w["q_b_proj.weight"])
+        else:
+            q = q_in
+        q = q.view(T, h, dn + dr)
+        q_nope, q_pe = q[..., :dn], q[..., dn:]
+        c_kv = ops.rms_norm(kv_a[:, :r], w["kv_a_layernorm.weight"], eps)
+        k_pe = kv_a[:, r:]
+        if not cfg.mla_use_nope:
+            q_pe = rope_interleaved(q_pe, b.positions, cfg.rope_theta)
+            k_pe = rope_interleaved(k_pe, b.positions, cfg.rope_theta)
+        cache = self.kv.mla_view(j)
+        ops.mla_write_cache(c_kv, k_pe, cache, b.slot_mapping[gi])
+        q_lat = torch.einsum("thn,hnl->thl", q_nope, self.w_uk[i])
+        o_lat = ops.mla_paged_attention(q_lat, q_pe.contiguous(), cache, b.block_tables[gi], b.seq_lens,
+                                        b.cu_seqlens, (dn + dr) ** -0.5, kv_lora_rank=r)
+        o = torch.einsum("thl,hvl->thv", o_lat.to(x.dtype), self.w_uv[i])
+        if cfg.mla_use_output_gate:
+            o = o * torch.sigmoid(g_in[0].reshape(T, h, dv).to(self.acc)).to(x.dtype)
+        return linear(o.reshape(T, h * dv), w["o_proj.weight"])
+
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.cfg.hidden_act == "situ":
+            return ops.situ_and_mul(gate_up, self.cfg.situ_beta, self.cfg.situ_linear_beta)
+        return ops.silu_and_mul(gate_up)
+
+    def _dense_mlp(self, w: LayerWeights, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated MLP from its (merged) gate|up projection."""
+        return linear(self._act_mul(gate_up), w["down_proj.weight"])
+
+    def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
+        logits = linear(x, self.acc_w[w.prefix + "gate.weight"], self.acc)
+        weights, ids = ops.moe_route(
+            logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
+            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
+            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
+            scoring=cfg.router_activation)
+        # one GEMM for every projection of x: the latent down-projection, the shared experts' gate|up
+        parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
+        z = parts.pop(0) if cfg.routed_expert_hidden_size else x
+        if self.experts_packed:
+            ex = dict(w13_packed=w["experts.w13_packed"], w13_scale=w["experts.w13_scale"],
+                      w2_packed=w["experts.w2_packed"], w2_scale=w["experts.w2_scale"])
+        else:
+            ex = dict(w13=w["experts.w13"], w2=w["experts.w2"])
+        r = ops.moe_experts(z, weights, ids, activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
+                            situ_linear_beta=cfg.situ_linear_beta, **ex)
+        if cfg.routed_expert_hidden_size:
+            if cfg.latent_moe_use_norm:
+                r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
+            r = linear(r, w["routed_expert_up_proj.weight"])
+        if cfg.num_shared_experts:
+            r = r + self._dense_mlp(w.sub("shared_experts."), parts[0])
+        return r
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.is_moe_layer(i):
+            return self._moe(i, x)
+        w = LayerWeights(self.w, f"model.layers.{i}.mlp.")
+        return self._dense_mlp(w, self._in_proj(w, x)[0])
+
+    def _attn(self, i: int, x: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        return self._kda(i, x, b) if self.cfg.is_kda_layer(i) else self._mla(i, x, b)
+
+    # -- the stack -----------------------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, H] (a TP rank overrides it: workers/engine/parallel/layers.py)."""
+        return self.w["model.embed_tokens.weight"][ids].to(self.dtype)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head over the final-normed rows (a TP rank overrides it: workers/engine/parallel/layers.py)."""
+        return linear(h, self.w["lm_head.weight"]).to(self.acc)
+
+    @torch.inference_mode()
+    def forward(self, b: ForwardBatch) -> torch.Tensor:
+        """Returns logits [S, V] (float32, or float64 for float64 models) for `b.logits_indices`."""
+        cfg, W = self.cfg, self.w
+        emb = self._embed(b.input_ids)
+        eps = cfg.rms_norm_eps
+        L = cfg.num_hidden_layers
+        round_dtype = None if self.dtype in (torch.float32, torch.float64) else self.dtype
+        if cfg.attn_res_block_size is None:
+            hsum = emb
+            for i in range(L):
+                lw = LayerWeights(W, f"model.layers.{i}.")
+                hsum = hsum + self._attn(i, ops.rms_norm(hsum, lw["input_layernorm.weight"], eps), b)
+                hsum = hsum + self._mlp(i, ops.rms_norm(hsum, lw["post_attention_layernorm.weight"], eps))
+            h = hsum
+        else:
+            B = cfg.attn_res_block_size
+            nb = cfg.num_attn_res_blocks
+            T = emb.shape[0]
+            blocks = torch.zeros(T, nb, emb.shape[1], dtype=self.dtype, device=emb.device)
+            partial = emb.clone()
+            delta = None
+            for i in range(L):
+                lw = LayerWeights(W, f"model.layers.{i}.")
+                write = i % B == 0
+                prev = -(-i // B)
+                x = ops.attn_res(partial, delta, blocks, lw["self_attention_res_norm.weight"],
+                                 lw["self_attention_res_proj.weight"], lw["input_layernorm.weight"], prev,
+                                 i // B if write else -1, eps, round_dtype=round_dtype)
+                a = self._attn(i, x, b)
+                if write:
+                    partial.copy_(a)
+                    delta = None
+                else:
+                    delta = a
+                y = ops.attn_res(partial, delta, blocks, lw["mlp_res_norm.weight"], lw["mlp_res_proj.weight"],
+                                 lw["post_attention_layernorm.weight"], prev + int(write), -1, eps,
+                                 round_dtype=round_dtype)
+                delta = self._mlp(i, y)
+            h = ops.attn_res(partial, delta, blocks, W["model.output_attn_res_norm.weight"],
+                             W["model.output_attn_res_proj.weight"], None, nb, -1, eps, round_dtype=round_dtype)
+        if self.keep_hidden:
+            self.hidden = h
+        h = h[b.logits_indices]
+        h = ops.rms_norm(h, W["model.norm.weight"], eps)
+        return self._logits(h)
