@@ -1,0 +1,166 @@
+"""DEP decode (workers/engine/parallel/dp_*.py): data_parallel_size=M ranks, attention TP=1 per rank, the
+routed experts expert-parallel over the M ranks, one engine to the outside (dp_front.py DPEngine).
+
+Greedy float64 tokens equal the single-rank engine's and the reference forward's on random configs (AttnRes,
+MXFP4, LatentMoE with its norm, shared experts), with prefix caching and chunked prefill (a 16-token step
+budget): a concurrent round spread over the ranks, then requests one at a time (the other ranks idle, running
+dummy passes) that each go to the rank holding their prefix and hit its cache. The merged KV-event stream
+equals the union of the ranks' caches; an unrunnable layout is one clear error before any rank starts; a
+killed rank fails the engine within the bound and no rank process is left behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+from _engine_helpers import random_model_dir, reference_outputs
+
+from k3serve.kv_events.types import KVEvent
+from k3serve.sampling_params import SamplingParams
+from k3serve.workers.engine.parallel.dp_front import KVEventMerger
+from k3serve.workers.engine.parallel.launcher import RankFailedError
+from k3serve.workers.llm import LLM
+from k3serve.workers.model.testing import random_config
+
+MAX_NEW = 5
+OPTS = dict(dtype="float64", skip_tokenizer_init=True, enable_prefix_caching=True, max_num_batched_tokens=16,
+            block_size=16, prefix_cache_retention_interval=16)  # a KDA snapshot every block: any shared block hits
+
+
+def _prompts(seed: int, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """A first round, and a second whose prompts each share >= one block with one of the first round's."""
+    rng = random.Random(seed)
+    first = [[rng.randrange(vocab) for _ in range(rng.randint(18, 40))] for _ in range(3)]
+    second = [p[: rng.randint(17, len(p))] + [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+              for p in first]
+    return first, second
+
+
+def _generate(engine, prompts, tag: str):
+    """Add every prompt, then step until all finish: (token lists, the rank each went to, cached tokens)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    rids = [f"{tag}-{i}" for i in range(len(prompts))]
+    ranks = []
+    for rid, p in zip(rids, prompts):
+        engine.add_request(rid, p, sp.clone())
+        ranks.append(engine.owner[rid])
+    done = {}
+    while len(done) < len(rids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return ([done[r].outputs[0].token_ids for r in rids], ranks, [done[r].num_cached_tokens for r in rids])
+
+
+def _single(d, rounds):
+    llm = LLM(str(d), **OPTS)
+    first = [o.outputs[0].token_ids for o in llm.generate(rounds[0], _sp())]
+    return first + [llm.generate([p], _sp())[0].outputs[0].token_ids for p in rounds[1]]
+
+
+def _sp():
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _keys(events) -> set:
+    return {(e.block_hash, e.group_id) for e in events}
+
+
+@pytest.mark.parametrize("seed,dp", [(0, 2), (10, 2), (39, 4)],
+                         ids=["dp2-latentmoe-norm-shared-attnres", "dp2-mxfp4-latent-attnres", "dp4-mxfp4-latent"])
+def test_dep_greedy_equals_single_rank_and_reference(tmp_path_factory, seed, dp):
+    cfg = random_config(seed)
+    d = random_model_dir(tmp_path_factory.getbasetemp(), seed)
+    rounds = _prompts(seed, cfg.vocab_size)
+    ref = reference_outputs(d, rounds[0] + rounds[1], MAX_NEW)
+    single = _single(d, rounds)
+    llm = LLM(str(d), data_parallel_size=dp, enable_expert_parallel=True, **OPTS)
+    engine = llm.engine
+    merged = []  # the one stream a subscriber (the router) sees
+    engine.subscribe_kv_events(merged.append)
+    try:
+        assert len(engine.peers) == dp - 1
+        got, first_ranks, _ = _generate(engine, rounds[0], "a")
+        assert len(set(first_ranks)) == min(3, dp)  # spread by load: no two on one rank while one is empty
+        second_ranks, cached = [], []
+        for i, p in enumerate(rounds[1]):  # one at a time: every other rank idle (dummy passes)
+            toks, (rank,), (hit,) = _generate(engine, [p], f"b{i}")
+            got += toks
+            second_ranks.append(rank)
+            cached.append(hit)
+        stats = engine.stats()
+        snaps = [engine.local.kv_cache_snapshot()] + [engine._call(r, ("snapshot",)) for r in range(1, dp)]
+    finally:
+        engine.close()
+    assert got == single == ref
+    assert second_ranks == first_ranks, (cached, [len(p) for p in rounds[1]])  # each went to the rank holding its prefix ...
+    assert all(c > 0 for c in cached), cached  # ... and hit its cache there
+    assert stats["prefix_cache_hits"] >= len(rounds[1]) and stats["dp_requests_routed"] == [
+        first_ranks.count(r) * 2 for r in range(dp)]
+    union = set().union(*(_keys(s) for s in snaps))
+    held = set()
+    for e in merged:  # the merged stream replayed: each key stored once while any rank holds it
+        key = (e.block_hash, e.group_id)
+        assert (key in held) == (e.kind == "removed"), e
+        (held.discard if e.kind == "removed" else held.add)(key)
+    assert held == union == _keys(engine.kv_cache_snapshot()) and union
+    assert not multiprocessing.active_children()
+
+
+def test_merged_events_store_on_first_holder_and_remove_on_last():
+    def ev(kind, h):
+        return KVEvent(kind, h, None, 0, "mla", 16, 16)
+
+    m = KVEventMerger()
+    assert m.apply(0, ev("stored", b"a")) is not None
+    assert m.apply(1, ev("stored", b"a")) is None  # rank 1 computed the same block: no second "stored"
+    assert m.apply(1, ev("stored", b"b")).block_hash == b"b"
+    assert m.apply(0, ev("removed", b"a")) is None  # rank 1 still holds it
+    assert _keys(m.snapshot()) == {(b"a", 0), (b"b", 0)}
+    assert m.apply(0, ev("removed", b"b")) is None  # rank 0 never held b
+    assert m.apply(1, ev("removed", b"a")).kind == "removed"
+    assert _keys(m.snapshot()) == {(b"b", 0)}
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(data_parallel_size=3, enable_expert_parallel=True), r"routed experts \(16\) are not divisible over 3"),
+    (dict(data_parallel_size=2), "data parallelism needs enable_expert_parallel"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2), "attention at TP=1"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, kv_offload_memory=1 << 20), "KV connectors"),
+], ids=["experts-not-divisible", "no-expert-parallel", "tp-with-dp", "connectors"])
+def test_unrunnable_layout_is_a_clear_error(tmp_path_factory, kw, why):
+    d = random_model_dir(tmp_path_factory.getbasetemp(), 0)
+    with pytest.raises(ValueError, match=rf"data_parallel_size={kw['data_parallel_size']}: this layout cannot run "
+                                         rf"the model: .*{why}"):
+        LLM(str(d), **{**OPTS, **kw})
+    assert not multiprocessing.active_children()  # refused before any rank started
+
+
+def test_dense_model_is_refused(tmp_path_factory):
+    d = random_model_dir(tmp_path_factory.getbasetemp(), 13)  # no MoE layers
+    with pytest.raises(ValueError, match="no MoE layers"):
+        LLM(str(d), data_parallel_size=2, enable_expert_parallel=True, **OPTS)
+
+
+def test_killed_rank_fails_the_engine_within_the_bound(tmp_path_factory):
+    d = random_model_dir(tmp_path_factory.getbasetemp(), 10)
+    llm = LLM(str(d), data_parallel_size=2, enable_expert_parallel=True, **OPTS)
+    engine = llm.engine
+    try:
+        assert llm.generate([[3, 4, 5, 6]], _sp())[0].finished
+        (_rank, proc, _conn), = engine.peers
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailedError, match="data-parallel rank 1 exited"):
+            llm.generate([[3, 4, 5, 7], [9, 9, 9]], _sp())
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(RankFailedError):  # stays failed: never a hang on the broken group
+            engine.runner.check_peers()
+    finally:
+        engine.close()
+    assert not multiprocessing.active_children()
