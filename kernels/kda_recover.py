@@ -13,14 +13,33 @@ c). The conv window after c tokens is the last K-1 raw inputs of [history | x_1.
 Plain PyTorch (any device); math in fp32, fp64 when any input is fp64, like kernels/reference.
 State pools are [num_slots, H, V, K] ([v][k]) and conv pools [num_slots, C, K-1], as in the reference
 ops. Record tensors are padded per request row: [R, Tmax, H, *] (token-major like the [T, H, *] inputs).
+
+On CUDA the state ops go to kernels/triton/kda_recover.py (token-serial Triton kernels, no host sync)
+when the shapes suit them; K3SERVE_KERNELS=reference / =triton force either side, as in kernels/ops.py.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from .reference._varlen import bool_list, compute_dtype, int_list, seq_starts
 from .reference.norms import l2_normalize
+
+
+def _triton(*tensors: torch.Tensor, K: int, V: int):
+    """kernels.triton.kda_recover when it should handle these tensors, else None (the reference)."""
+    mode = os.environ.get("K3SERVE_KERNELS", "")
+    if not ((tensors[0].is_cuda and mode != "reference") or mode == "triton"):
+        return None
+    try:
+        from .triton import kda_recover as tk
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        return None
+    return tk if tk.supported(*tensors, K=K, V=V) else None
 
 
 def _chunk_with_u(S0, q, k, v, g, beta):
@@ -97,6 +116,14 @@ def kda_recover_verify(
     if k.shape != q.shape or g.shape != q.shape or tuple(v.shape[:2]) != (T, H) or tuple(beta.shape) != (T, H):
         raise ValueError(f"KDA shapes: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
                          f"g {tuple(g.shape)} beta {tuple(beta.shape)}")
+    tk = _triton(q, k, v, g, beta, state_pool, corrections, K=K, V=V)
+    if tk is not None:
+        if tuple(state_pool.shape[1:]) != (H, V, K) or tuple(corrections.shape[2:]) != (H, V):
+            raise ValueError(f"state_pool {tuple(state_pool.shape)} / corrections {tuple(corrections.shape)} "
+                             f"vs [*, {H}, {V}, {K}]")
+        return tk.kda_recover_verify_triton(q, k, v, g, beta, state_pool, state_indices, cu_seqlens,
+                                            has_initial_state, corrections, scale=scale,
+                                            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
     cu = seq_starts(cu_seqlens)
     R = len(cu) - 1
     lens = [cu[r + 1] - cu[r] for r in range(R)]
@@ -159,6 +186,11 @@ def kda_recover_fold(
         raise ValueError(f"records: k {tuple(k.shape)} g {tuple(g.shape)} corrections {tuple(corrections.shape)}")
     if tuple(state_pool.shape[1:]) != (H, V, K):
         raise ValueError(f"state_pool {tuple(state_pool.shape)} must be [num_slots, {H}, {V}, {K}]")
+    tk = _triton(state_pool, k, g, corrections, K=K, V=V)
+    if tk is not None:
+        tk.kda_recover_fold_triton(state_pool, state_indices, has_initial_state, k, g, corrections, num_tokens,
+                                   out_slots, use_qk_l2norm=use_qk_l2norm)
+        return
     slots = int_list(state_indices, N, "state_indices")
     outs = int_list(out_slots, N, "out_slots")
     counts = int_list(num_tokens, N, "num_tokens")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import _triton_cpu  # (sets TRITON_INTERPRET=1 on CPU-only machines before any Triton kernel is built)
 import pytest
 import torch
 
@@ -240,3 +241,44 @@ def test_state_bytes_and_no_extra_slots():
     assert RecoverSSMRollback.extra_slots(3) == 0
     with pytest.raises(ValueError, match="did not verify"):
         s.commit(VerifyRow("x", 0, 0, 2, [0], [[]]), 1, [])
+
+
+@_triton_cpu.skip_on_cuda
+def test_triton_verify_and_fold_match_the_reference_under_the_interpreter():
+    """kernels/triton/kda_recover.py (token-serial, fp32) against the float64 reference ops."""
+    from k3serve.kernels.triton.kda_recover import kda_recover_fold_triton, kda_recover_verify_triton
+
+    g = torch.Generator().manual_seed(5)
+    H, K, V, lens = 2, 16, 32, [4, 1, 3]
+    T, R, tmax = sum(lens), len(lens), max(lens)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    x = [torch.randn(T, H, K, generator=g), torch.randn(T, H, K, generator=g), torch.randn(T, H, V, generator=g),
+         -torch.rand(T, H, K, generator=g), torch.rand(T, H, generator=g)]
+    pool = torch.randn(8, H, V, K, generator=g)
+    slots, init = torch.tensor([5, 1, 2]), torch.tensor([True, False, True])
+    corr_ref = torch.zeros(R, tmax, H, V, dtype=F64)
+    o_ref = kda_recover_verify(*(t.double() for t in x), pool.double(), slots, cu, init, corr_ref)
+    corr = torch.full((R, tmax, H, V), float("nan"))
+    work = pool.clone()
+    o = kda_recover_verify_triton(*x, work, slots, cu, init, corr)
+    assert torch.equal(work, pool)
+    assert _triton_cpu.rel(o, o_ref) < 1e-5
+    for r in range(R):
+        assert _triton_cpu.rel(corr[r, : lens[r]], corr_ref[r, : lens[r]]) < 1e-5
+    # fold every accepted length of every row at once, one of them into a checkpoint's own slot
+    rows = [r for r in range(R) for _ in range(lens[r] + 1)]
+    counts = [c for r in range(R) for c in range(lens[r] + 1)]
+    outs = list(range(100, 100 + len(rows)))
+    outs[0] = int(slots[1])  # row 0's fold lands in row 1's checkpoint, which later rows still read
+    kp, gp = torch.zeros(R, tmax, H, K), torch.zeros(R, tmax, H, K)
+    for r in range(R):
+        kp[r, : lens[r]], gp[r, : lens[r]] = x[1][cu[r] : cu[r + 1]], x[3][cu[r] : cu[r + 1]]
+    idx = torch.tensor(rows)
+    big = torch.cat([pool, torch.zeros(100 + len(rows) - 8, H, V, K)])
+    ref = big.double().clone()
+    kda_recover_fold(ref, slots[idx], init[idx], kp[idx].double(), gp[idx].double(), corr_ref[idx],
+                     torch.tensor(counts), torch.tensor(outs))
+    kda_recover_fold_triton(big, slots[idx], init[idx], kp[idx], gp[idx], corr[idx],
+                            torch.tensor(counts, dtype=torch.int32), torch.tensor(outs))
+    for o_slot in outs:
+        assert _triton_cpu.rel(big[o_slot], ref[o_slot]) < 1e-5, o_slot
