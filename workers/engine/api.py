@@ -233,6 +233,9 @@ class EngineArgs:
     enable_expert_parallel: bool = arg(
         False, "shard the routed experts over the ranks (whole experts) instead of slicing each one",
         flag="--expert-parallel")  # the pod contract's spelling (docs/components.md)
+    enable_sequence_parallel: bool = arg(
+        False, "with tensor_parallel_size > 1 and expert parallelism: shard the tokens between attention layers "
+        "(reduce-scatter after o_proj, MoE all-to-all, all-gather before QKV); one rank: no effect")
     # Rank groups spanning nodes and the launcher (workers/engine/parallel/nodes.py; vLLM's names)
     nnodes: int = arg(1, "nodes (pods) the tensor-parallel ranks are spread over, the same number on each",
                       parse=positive_int)

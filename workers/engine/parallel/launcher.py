@@ -39,6 +39,7 @@ from k3serve.workers.engine.model_runner import ModelRunner
 from k3serve.workers.engine.parallel import nodes as multinode
 from k3serve.workers.engine.parallel.group import LOOPBACK, RankGroup, host_store, join_store
 from k3serve.workers.engine.parallel.layers import ParallelK3ForwardModel
+from k3serve.workers.engine.parallel.seq_parallel import SequenceParallelK3ForwardModel
 from k3serve.workers.engine.parallel.shard import ShardPlan, shard_weights
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class RankSpec:
     transfer: tuple | None = None  # (NIXL network devices or None,): register the pages for P/D reads
     host: str = LOOPBACK  # this rank's gloo listener (its node's address when the group spans nodes)
     store_host: str = LOOPBACK  # where rank 0's store listens
+    sequence_parallel: bool = False  # workers/engine/parallel/seq_parallel.py
 
 
 def _wants_transfer(args) -> tuple | None:
@@ -102,7 +104,8 @@ class ParallelModelRunner(ModelRunner):
     def __init__(self, config, weights, layout, num_blocks, dtype, *, group: RankGroup, plan: ShardPlan,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, peers=()):
         def model_class(cfg, w, lay, kv, dt):
-            return ParallelK3ForwardModel(cfg, w, lay, kv, dt, group=group, plan=plan)
+            cls = SequenceParallelK3ForwardModel if plan.sequence_parallel else ParallelK3ForwardModel
+            return cls(cfg, w, lay, kv, dt, group=group, plan=plan)
 
         self.model_class = model_class
         super().__init__(config, weights, layout, num_blocks, dtype, "cpu", max_num_batched_tokens, max_num_seqs,
@@ -173,6 +176,7 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     """Rank 0: spawn ranks 1..N-1, wait until each has loaded its shard, join the group, return the runner."""
     size = int(args.tensor_parallel_size)
     ep = bool(getattr(args, "enable_expert_parallel", False))
+    sp = bool(getattr(args, "enable_sequence_parallel", False))
     timeout_s = DEFAULT_TIMEOUT_S
     nodes = multinode.NodeLayout.from_args(args)  # groups spanning nodes: workers/engine/parallel/nodes.py
     if nodes.node_rank != 0:
@@ -181,7 +185,8 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     bind = multinode.resolve(nodes.master_addr, multinode.RENDEZVOUS_TIMEOUT_S) if nodes.multi_node else LOOPBACK
     store = host_store(size, STARTUP_TIMEOUT_S, host=bind, port=nodes.master_port if nodes.multi_node else 0)
     spec = RankSpec(args.model, dtype, size, ep, store.port, layout, num_blocks, args.max_num_batched_tokens,
-                    args.max_num_seqs, max_model_len, bool(args.static_decode), timeout_s, _wants_transfer(args))
+                    args.max_num_seqs, max_model_len, bool(args.static_decode), timeout_s, _wants_transfer(args),
+                    sequence_parallel=sp)
     spec = dataclasses.replace(spec, host=bind, store_host=bind)
     ctx = mp.get_context("spawn")
     peers = []
@@ -197,7 +202,7 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
             remote = multinode.accept_remote_ranks(bind, nodes, store, lambda _rank: spec,
                                                    time.monotonic() + multinode.RENDEZVOUS_TIMEOUT_S)
             peers += [(r.rank, r, r) for r in remote]
-        plan = ShardPlan.make(cfg, 0, size, ep)
+        plan = ShardPlan.make(cfg, 0, size, ep, sp)
         rank_cfg, shard = shard_weights(cfg, weights, plan, dtype)
         del weights
         for rank, proc, conn in peers:  # each rank reports "loaded" (or its error) before the group forms
@@ -245,7 +250,7 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
     status = 0
     try:
         cfg, weights = load_model_weights(spec.model, dtype=spec.dtype, device="cpu")
-        plan = ShardPlan.make(cfg, rank, spec.size, spec.expert_parallel)
+        plan = ShardPlan.make(cfg, rank, spec.size, spec.expert_parallel, spec.sequence_parallel)
         rank_cfg, shard = shard_weights(cfg, weights, plan, spec.dtype)
         del weights
         conn.send(("loaded", None))

@@ -10,7 +10,8 @@ Slicing (canonical names of workers/model/spec.py; "rows" = dim 0, "cols" = dim 
   its heads only (its KDA page is 1/tp of the single-rank page: workers/engine/cache_layout.py tp_size).
 * MLA, by head: q_proj or q_b_proj, kv_b_proj, g_proj by rows; o_proj by cols; the latent path
   (q_a_proj, kv_a_proj_with_mqa and their norms) replicated, so every rank writes the same latent cache.
-* Dense MLP and shared experts: gate/up by rows (column-parallel), down by cols (row-parallel).
+* Dense MLP and shared experts: gate/up by rows (column-parallel), down by cols (row-parallel); under
+  sequence parallelism the shared experts are replicated (they run on each token's own rank).
 * Routed experts: tensor parallel = each expert's intermediate slice (w13's gate and up halves by rows,
   w2 by cols); expert parallel = whole experts, rank r holding `ExpertMap.physical[r]`. The router, the
   latent down/up projections and the latent norm are replicated.
@@ -38,6 +39,7 @@ def check_layout(cfg, args) -> None:
     tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     ep = bool(getattr(args, "enable_expert_parallel", False))
+    sp = bool(getattr(args, "enable_sequence_parallel", False))
     why = []
     if tp < 1:
         why.append(f"tensor_parallel_size must be >= 1 (got {tp})")
@@ -58,7 +60,10 @@ def check_layout(cfg, args) -> None:
         if dense and cfg.intermediate_size % tp:
             why.append(f"intermediate_size ({cfg.intermediate_size}) is not divisible by tensor_parallel_size={tp}")
         if cfg.moe_layer_ids:
-            if cfg.num_shared_experts and cfg.shared_intermediate_size % tp:
+            if sp and not ep:
+                why.append("enable_sequence_parallel needs enable_expert_parallel (the MoE all-to-all moves "
+                           "each token shard to whole experts)")
+            if cfg.num_shared_experts and cfg.shared_intermediate_size % tp and not sp:  # SP: replicated
                 why.append(f"the shared experts' intermediate size ({cfg.shared_intermediate_size}) is not "
                            f"divisible by tensor_parallel_size={tp}")
             if ep and cfg.num_experts % tp:
@@ -111,12 +116,13 @@ class ShardPlan:
     vocab_size: int  # the full vocabulary (logits are cut back to it)
     vocab_per_rank: int
     expert_map: ExpertMap | None
+    sequence_parallel: bool = False  # token-sharded residual stream: workers/engine/parallel/seq_parallel.py
 
     @classmethod
-    def make(cls, cfg, rank: int, size: int, expert_parallel: bool) -> ShardPlan:
+    def make(cls, cfg, rank: int, size: int, expert_parallel: bool, sequence_parallel: bool = False) -> ShardPlan:
         ep = bool(expert_parallel and cfg.num_experts)
         return cls(rank, size, ep, cfg.vocab_size, -(-cfg.vocab_size // size),
-                   ExpertMap.contiguous(cfg.num_experts, size) if ep else None)
+                   ExpertMap.contiguous(cfg.num_experts, size) if ep else None, bool(sequence_parallel and size > 1))
 
     @property
     def vocab_start(self) -> int:
@@ -167,6 +173,8 @@ def _layer_param(cfg, i: int, rest: str, t: torch.Tensor, plan: ShardPlan) -> to
         if leaf == "o_proj":
             return _part(t, 1, plan)
         return t  # the replicated pieces (f_a / g_a, o_norm; the MLA latent path)
+    if mod == "block_sparse_moe" and leaf == "shared_experts" and plan.sequence_parallel:
+        return t  # sequence parallel: the shared experts run whole on each token's own rank
     if mod == "mlp" or (mod == "block_sparse_moe" and leaf == "shared_experts"):
         proj = parts[-2]
         if proj in ("gate_proj", "up_proj"):

@@ -1,0 +1,122 @@
+"""Sequence-parallel TEP: tensor-parallel attention, expert-parallel MoE, each rank owning a token shard.
+
+`SequenceParallelK3ForwardModel` is the TP model (workers/engine/parallel/layers.py) with the residual
+stream sharded by token between the attention layers (EngineArgs.enable_sequence_parallel, with
+tensor_parallel_size > 1 and enable_expert_parallel):
+
+* the batch's T tokens are padded to Tp = N·s (s = ceil(T / N)); rank r owns rows [r·s, (r+1)·s), the
+  pad rows (global index >= T) only on the last ranks;
+* embedding (vocab-parallel): a reduce-scatter of the masked rows instead of the all-reduce;
+* attention: ONE all-gather of the normed shard restores the full batch (cut back to T rows, so pad rows
+  never reach a projection that writes a cache) before the head-sharded QKV projection, and after
+  o_proj a reduce-scatter (instead of the all-reduce) returns the rank's shard of the sum;
+* Block AttnRes runs per shard (`partial`, `delta` and the block sums `blocks` of the forward in
+  workers/engine/k3_forward.py hold the shard's rows only), as do the norms and the residual adds;
+* MoE: router, latent down-projection, latent norm and up-projection on the shard's rows (replicated
+  weights), the routed experts through the all-to-all of workers/engine/parallel/moe_a2a.py (pad rows are
+  routed nowhere), the shared experts on the token's own rank (their weights are replicated under
+  sequence parallelism, shard.py: memory for no communication);
+* a dense MLP layer: all-gather, column/row-parallel MLP, reduce-scatter (the volume of one all-reduce);
+* the LM head: each rank contributes the final-normed rows it owns among `logits_indices` (zeros
+  elsewhere), one all-reduce of [S, H] assembles them, then the vocab-parallel head as in TP.
+
+The inherited forward runs unchanged: it sees a batch whose `logits_indices` are all of its local rows,
+and the overrides below add the collectives. Float64 sums differ from the single-rank forward only in
+the order of additions (greedy tokens are compared in tests/test_parallel_sp.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from k3serve.kernels import ops
+from k3serve.workers.engine.k3_forward import K3ForwardModel
+from k3serve.workers.engine.parallel.layers import ParallelK3ForwardModel
+from k3serve.workers.engine.parallel.moe_a2a import combine, dispatch
+from k3serve.workers.model.functional import LayerWeights, linear
+
+
+class SequenceParallelK3ForwardModel(ParallelK3ForwardModel):
+    def __init__(self, config, weights, layout, kv, dtype, *, group, plan):
+        if not plan.expert_parallel and config.moe_layer_ids:
+            raise ValueError("sequence parallelism needs expert parallelism for the MoE layers")
+        super().__init__(config, weights, layout, kv, dtype, group=group, plan=plan)
+        self._T = self._s = 0
+        self._logits_indices = None
+
+    # -- the token shard ------------------------------------------------------------------------
+    def _pad(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [Tp, ...] with zero rows appended."""
+        extra = self._s * self.group.size - t.shape[0]
+        return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) if extra else t
+
+    def _scatter(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum of the ranks' [T, H] partials, this rank's shard [s, H] of it."""
+        return self.group.reduce_scatter(self._pad(partial))
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard, the full [Tp, H] batch (pad rows last)."""
+        return self.group.all_gather_cat(shard, dim=0)
+
+    @torch.inference_mode()
+    def forward(self, b):
+        T = b.input_ids.shape[0]
+        self._T, self._s = T, -(-T // self.group.size)
+        self._logits_indices = b.logits_indices
+        local = dataclasses.replace(b, logits_indices=torch.arange(self._s, device=b.logits_indices.device))
+        return super().forward(local)
+
+    # -- the layers -----------------------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.w["model.embed_tokens.weight"]
+        local = ids - self.plan.vocab_start
+        mine = (local >= 0) & (local < w.shape[0])
+        rows = w[local.clamp(0, w.shape[0] - 1)].to(self.dtype)
+        return self._scatter(torch.where(mine[:, None], rows, torch.zeros((), dtype=self.dtype)))
+
+    def _attn(self, i: int, x: torch.Tensor, b) -> torch.Tensor:
+        return self._scatter(K3ForwardModel._attn(self, i, self._gather(x)[: self._T], b))
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.is_moe_layer(i):
+            return self._moe(i, x)
+        return self.group.reduce_scatter(K3ForwardModel._mlp(self, i, self._gather(x)))
+
+    def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
+        logits = linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"])
+        weights, ids = ops.moe_route(
+            logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
+            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
+            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
+            scoring=cfg.router_activation)
+        real = self._T - self.group.rank * self._s  # rows of this shard below T (the rest are pad)
+        if real < x.shape[0]:
+            ids = ids.clone()
+            ids[max(real, 0):] = -1
+        parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
+        z = parts.pop(0) if cfg.routed_expert_hidden_size else x
+        d = dispatch(self.group, z, weights, ids, self.plan.expert_map)
+        out = ops.moe_experts(d.tokens, d.weights, d.slots, w13=w["experts.w13"], w2=w["experts.w2"],
+                              activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
+                              situ_linear_beta=cfg.situ_linear_beta)
+        r = combine(self.group, d, out)
+        if cfg.routed_expert_hidden_size:
+            if cfg.latent_moe_use_norm:
+                r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
+            r = linear(r, w["routed_expert_up_proj.weight"])
+        if cfg.num_shared_experts:
+            r = r + self._dense_mlp(w.sub("shared_experts."), parts[0])
+        return r
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """`h` [s, H]: this rank's final-normed rows; the rows of `logits_indices`, assembled, to the head."""
+        idx = self._logits_indices
+        owner, row = idx // self._s, idx % self._s
+        mine = owner == self.group.rank
+        rows = h.new_zeros((idx.shape[0], h.shape[1]))
+        rows[mine] = h[row[mine]]
+        return super()._logits(self.group.all_reduce(rows))
