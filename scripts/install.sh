@@ -28,6 +28,8 @@ fi
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
 # NIXL without its declared deps: they would pull a CUDA torch; the CPU UCX backend needs none of them.
 .venv/bin/python -m pip install -q --no-deps -c constraints.txt "nixl-cu12==1.5.1"
+# the Ray launcher (--distributed-executor-backend ray; workers/engine/parallel/ray_launcher.py): CPU wheel
+.venv/bin/python -m pip install -q -c constraints.txt "ray==2.60.0"
 # test-only tools, not in the images: the Dockerfile parser of tests/test_dockerfile.py
 .venv/bin/python -m pip install -q -c constraints.txt "dockerfile-parse==2.0.1"
 bash scripts/install-helm.sh || echo "note: helm could not be installed; helm tests will be skipped" >&2

@@ -236,7 +236,7 @@ class EngineArgs:
     enable_sequence_parallel: bool = arg(
         False, "with tensor_parallel_size > 1 and expert parallelism: shard the tokens between attention layers "
         "(reduce-scatter after o_proj, MoE all-to-all, all-gather before QKV); one rank: no effect")
-    # Rank groups spanning nodes and the launcher (workers/engine/parallel/nodes.py; vLLM's names)
+    # Rank groups spanning nodes and the launcher (workers/engine/parallel/nodes.py, ray_launcher.py; vLLM's names)
     nnodes: int = arg(1, "nodes (pods) the tensor-parallel ranks are spread over, the same number on each",
                       parse=positive_int)
     node_rank: int = arg(0, "this node's place in the group: 0 runs the engine and hosts the rendezvous, "
@@ -244,6 +244,9 @@ class EngineArgs:
     master_addr: str = arg("127.0.0.1", "the group leader's address (node 0): its rendezvous binds the address "
                            "this resolves to", metavar="HOST")
     master_port: int = arg(29500, "the group leader's rendezvous port (a TCPStore)", parse=_port)
+    distributed_executor_backend: str = arg(
+        "mp", "how the ranks are started: mp = one spawned process per rank; ray = one Ray actor per rank in a "
+        "placement group (local Ray: loopback only)", choices=("mp", "ray"))
     # Speculative decoding (workers/engine/spec/, docs/serving.md "Speculative decoding")
     speculative_config: dict | None = arg(
         None, "speculative decoding, a JSON object in vLLM's shape: {\"method\": \"mtp\"|\"ngram\", "

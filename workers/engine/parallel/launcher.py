@@ -37,6 +37,7 @@ import torch
 
 from k3serve.workers.engine.model_runner import ModelRunner
 from k3serve.workers.engine.parallel import nodes as multinode
+from k3serve.workers.engine.parallel import ray_launcher
 from k3serve.workers.engine.parallel.group import LOOPBACK, RankGroup, host_store, join_store
 from k3serve.workers.engine.parallel.layers import ParallelK3ForwardModel
 from k3serve.workers.engine.parallel.seq_parallel import SequenceParallelK3ForwardModel
@@ -182,7 +183,12 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     if nodes.node_rank != 0:
         raise ValueError(f"node_rank={nodes.node_rank}: only node 0 runs the engine; the other nodes run ranks "
                          "only (`k3serve worker --node-rank N`)")
-    bind = multinode.resolve(nodes.master_addr, multinode.RENDEZVOUS_TIMEOUT_S) if nodes.multi_node else LOOPBACK
+    use_ray = getattr(args, "distributed_executor_backend", "mp") == "ray"  # workers/engine/parallel/ray_launcher.py
+    if use_ray and nodes.multi_node:
+        raise ValueError("distributed_executor_backend='ray' places the ranks itself: nnodes must be 1")
+    owns_ray = ray_launcher.ensure_ray(size) if use_ray else False
+    bind = multinode.resolve(nodes.master_addr, multinode.RENDEZVOUS_TIMEOUT_S) if nodes.multi_node else (
+        ray_launcher.driver_address() if use_ray else LOOPBACK)
     store = host_store(size, STARTUP_TIMEOUT_S, host=bind, port=nodes.master_port if nodes.multi_node else 0)
     spec = RankSpec(args.model, dtype, size, ep, store.port, layout, num_blocks, args.max_num_batched_tokens,
                     args.max_num_seqs, max_model_len, bool(args.static_decode), timeout_s, _wants_transfer(args),
@@ -191,7 +197,9 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     ctx = mp.get_context("spawn")
     peers = []
     try:
-        for rank in range(1, nodes.per_node):
+        if use_ray:  # one actor per rank in a placement group instead of spawned processes
+            peers += ray_launcher.start_rank_actors(spec, size, owns_ray)
+        for rank in range(1, 1 if use_ray else nodes.per_node):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(rank, spec, child), name=f"k3serve-tp-rank-{rank}",
                                daemon=True)
