@@ -44,7 +44,11 @@ def test_multi_rank_layout_is_refused_clearly():
     assert "multi-rank decode" in worker.unsupported_layout(ns)  # P/D into a TP group: not implemented
     ns = p.parse_args(["--model", "m", "--tensor-parallel-size", "8", "--role", "prefill"])
     assert worker.unsupported_layout(ns) is None  # P/D from a TP group: each rank's pages (kv_transfer/)
-    assert "data parallelism" in worker.unsupported_layout(p.parse_args(["--model", "m", "--data-parallel-size", "2"]))
+    dp = ["--model", "m", "--data-parallel-size", "2", "--expert-parallel"]
+    assert worker.unsupported_layout(p.parse_args(dp)) is None  # DEP is served (workers/engine/parallel/dp_front.py)
+    assert "P/D transfers from or into a data-parallel worker" in worker.unsupported_layout(
+        p.parse_args(dp + ["--role", "decode"]))
+    assert "spanning nodes" in worker.unsupported_layout(p.parse_args(dp + ["--nnodes", "2"]))
     assert worker.unsupported_layout(p.parse_args(["--model", "m"])) is None
     # tensor parallelism itself is served (workers/engine/parallel/); the engine judges the model's shapes
     assert worker.unsupported_layout(p.parse_args(["--model", "m", "--tensor-parallel-size", "8"])) is None

@@ -40,8 +40,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def unsupported_layout(args: argparse.Namespace) -> str | None:
     """Why this process cannot run the requested layout yet, or None."""
-    if args.data_parallel_size != 1:
-        return f"--data-parallel-size {args.data_parallel_size}: data parallelism is not implemented yet (only 1)"
+    if args.data_parallel_size != 1:  # DEP: workers/engine/parallel/dp_front.py (the engine judges the model)
+        if args.role != "both":
+            return (f"--data-parallel-size {args.data_parallel_size} with --role {args.role}: P/D transfers from or "
+                    "into a data-parallel worker are not implemented yet (only --role both)")
+        if getattr(args, "nnodes", 1) != 1:
+            return (f"--data-parallel-size {args.data_parallel_size} with --nnodes {args.nnodes}: data-parallel "
+                    "ranks spanning nodes are not implemented yet (one node)")
     from k3serve.workers.engine.parallel.nodes import layout_problem  # groups spanning nodes
 
     nodes_problem = layout_problem(args.tensor_parallel_size, args.nnodes, args.node_rank)
@@ -170,7 +175,9 @@ async def _serve(args: argparse.Namespace, msock) -> int:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    problem = unsupported_layout(args)
+    from k3serve.workers.engine.parallel.nodes import placement_from_env
+
+    problem = placement_from_env(args) or unsupported_layout(args)  # the pod's K3SERVE_NUM_NODES, ...
     if not problem:  # a --model URI is fetched into $K3SERVE_HOME; K3SERVE_SERVED_MODEL_NAME names it
         from k3serve.workers.model.acquire import prepare_worker_model
 
