@@ -7,6 +7,8 @@ the leader (node 0: the engine and rank 0, hosting the rendezvous at --master-ad
   chunked prefill; everything the group opens listens on 127.0.0.1 only;
 * health: SIGKILL of the non-leader node's process tree -> the serving leader exits non-zero within 10 s
   naming the lost rank; SIGKILL of the leader -> the node process exits non-zero within 10 s;
+* the non-leader node takes its place from the pod contract's env (K3SERVE_NUM_NODES, K3SERVE_NODE_RANK,
+  K3SERVE_LEADER_ADDR) as a rendered pod does;
 * bounded rendezvous: a node with no leader, and a leader whose node never comes, each fail within their
   timeout with a message naming the address they waited for.
 """
@@ -153,11 +155,13 @@ def tp2_model(tmp_path_factory):
 
 def _start_group(model_dir):
     port = _free_port()
-    common = ["--model", str(model_dir), "--tensor-parallel-size", "2", "--expert-parallel", "--nnodes", "2",
+    common = ["--model", str(model_dir), "--tensor-parallel-size", "2", "--expert-parallel",
               "--master-port", str(port), "--metrics-port", "0", "--dtype", "float64", "--max-model-len", "128",
               "--skip-tokenizer-init"]
-    leader = _Proc(_cli(*common, "--node-rank", "0", "--grpc-port", "0"))
-    node = _Proc(_cli(*common, "--node-rank", "1"))
+    leader = _Proc(_cli(*common, "--nnodes", "2", "--node-rank", "0", "--grpc-port", "0"))
+    # the node's place as a pod gets it (the pod contract's env, docs/components.md), not as flags
+    node = _Proc(_cli(*common), env=dict(ENV, K3SERVE_NUM_NODES="2", K3SERVE_NODE_RANK="1",
+                                          K3SERVE_LEADER_ADDR="localhost"))
     lm = leader.wait_line(r"ready grpc=(\S+) metrics=(\S+)")
     nm = node.wait_line(r"node 1 of 2 ready .*metrics=(\S+)")
     return leader, lm.group(2), node, nm.group(1)
@@ -216,6 +220,9 @@ def test_leader_without_its_node_fails_within_its_timeout(tp2_model, monkeypatch
 
 
 def test_layouts_that_cannot_span_nodes_are_one_line_exit_2(tp2_model):
+    bad_env = subprocess.run(_cli("--model", str(tp2_model)), capture_output=True, text=True, timeout=120,
+                             env=dict(ENV, K3SERVE_NUM_NODES="two"))
+    assert bad_env.returncode == 2 and "K3SERVE_NUM_NODES='two': expected a whole number" in bad_env.stdout
     for args, why in [(["--tensor-parallel-size", "3", "--nnodes", "2"], "does not split over --nnodes=2"),
                       (["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "2"],
                        "--node-rank 2 is not in 0..1")]:

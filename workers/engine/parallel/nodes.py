@@ -310,3 +310,26 @@ def connect_to_leader(nodes: NodeLayout, rank: int, timeout_s: float, notify=Non
     hello.send_bytes(json.dumps({"rank": rank}).encode())
     hello.close()
     return store, LeaderLink(sock, f"{leader_ip}:{port}", notify)
+
+
+# The pod contract's placement variables (docs/components.md, operator/render_workers.py) -> EngineArgs fields
+PLACEMENT_ENV = (("K3SERVE_NUM_NODES", "nnodes", int), ("K3SERVE_NODE_RANK", "node_rank", int),
+                 ("K3SERVE_LEADER_ADDR", "master_addr", str))
+
+
+def placement_from_env(args, environ=os.environ) -> str | None:
+    """Fill --nnodes / --node-rank / --master-addr from the pod's K3SERVE_NUM_NODES / K3SERVE_NODE_RANK /
+    K3SERVE_LEADER_ADDR where the flag was left at its default; a value that is not a number is the
+    returned one-line problem (else None)."""
+    from k3serve.workers.engine.api import EngineArgs
+
+    defaults = EngineArgs(model="-")
+    for var, field, kind in PLACEMENT_ENV:
+        text = environ.get(var, "").strip()
+        if not text or getattr(args, field) != getattr(defaults, field):
+            continue
+        try:
+            setattr(args, field, kind(text))
+        except ValueError:
+            return f"{var}={text!r}: expected a whole number"
+    return None
