@@ -7,11 +7,9 @@ So the one place the ranks meet is each MoE layer's expert computation, and ever
 every forward pass: one with no tokens of its own runs `idle()` (no cache is read or written) and still
 computes its experts for the other ranks' tokens.
 
-Dispatch and combine (naive form, no all-to-all): one all-gather of the per-rank token counts per forward
-pass; per MoE layer, the latent inputs and the routing (slots as float64, exact) padded to the largest
-count and all-gathered, so every rank holds every rank's tokens; each rank computes its own experts' share
-of all of them (ids of experts it does not hold become -1 and are skipped), one all-reduce sums the shares
-and each rank keeps its own rows. Token counts are ragged (0 included).
+Dispatch and combine: workers/engine/parallel/moe_a2a.py (ragged all-to-all: each token goes once to every
+rank holding one of its top-k experts, through the logical -> physical ExpertMap, and its weighted results
+come back), so token counts may differ per rank and be 0.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import torch
 from k3serve.kernels import ops
 from k3serve.workers.engine.k3_forward import K3ForwardModel
 from k3serve.workers.engine.parallel.group import RankGroup
+from k3serve.workers.engine.parallel.moe_a2a import combine, dispatch
 from k3serve.workers.engine.parallel.shard import ExpertMap
 from k3serve.workers.model.functional import LayerWeights, linear
 
@@ -47,21 +46,12 @@ def dep_shard(cfg, weights: dict[str, torch.Tensor], rank: int, size: int, dtype
 class DEPForwardModel(K3ForwardModel):
     def __init__(self, config, weights, layout, kv, dtype, *, group: RankGroup, expert_map: ExpertMap):
         self.group = group
-        self.expert_index = expert_map.local_index(group.rank)  # logical expert -> slot here, -1 elsewhere
-        self.counts: list[int] = [0] * group.size  # tokens of each rank in the current forward pass
+        self.expert_map = expert_map
         super().__init__(config, weights, layout, kv, dtype)
-
-    def _exchange_counts(self, n: int) -> None:
-        self.counts = self.group.all_gather_cat(torch.tensor([n], dtype=torch.long), dim=0).tolist()
-
-    def forward(self, b):
-        self._exchange_counts(int(b.input_ids.shape[0]))
-        return super().forward(b)
 
     @torch.inference_mode()
     def idle(self) -> None:
         """A forward pass with no tokens of this rank: only the MoE layers' expert work for the others."""
-        self._exchange_counts(0)
         cfg = self.cfg
         din = cfg.routed_expert_hidden_size or cfg.hidden_size
         k = cfg.num_experts_per_token
@@ -72,28 +62,13 @@ class DEPForwardModel(K3ForwardModel):
                              torch.zeros(0, k, dtype=torch.long))
 
     def _routed(self, w: LayerWeights, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every routed expert's share for this rank's tokens `z` [T, D] (the naive dispatch/combine above)."""
-        cfg, g = self.cfg, self.group
-        w2 = w["experts.w2"]
-        T, tmax = z.shape[0], max(self.counts)
-        if tmax == 0:  # no rank has a token: the same decision on every rank, no collective
-            return z.new_zeros(0, w2.shape[1])
-        k = ids.shape[1]
-        pad = tmax - T
-        meta = torch.cat([ids.to(torch.float64), weights.to(torch.float64)], dim=1)
-        if pad:
-            z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
-            meta = torch.cat([meta, torch.cat([meta.new_full((pad, k), -1.0), meta.new_zeros(pad, k)], 1)])
-        zs = g.all_gather_cat(z, dim=0)  # [M * tmax, D], rank r's rows at [r * tmax, r * tmax + counts[r])
-        metas = g.all_gather_cat(meta, dim=0)
-        gids = metas[:, :k].long()
-        slots = torch.where(gids >= 0, self.expert_index[gids.clamp(min=0)], -1)
-        out = ops.moe_experts(zs, metas[:, k:].to(weights.dtype), slots, w13=w["experts.w13"], w2=w2,
+        """Every routed expert's share for this rank's tokens `z` [T, D] (ids: logical experts)."""
+        cfg = self.cfg
+        d = dispatch(self.group, z, weights, ids, self.expert_map)
+        out = ops.moe_experts(d.tokens, d.weights, d.slots, w13=w["experts.w13"], w2=w["experts.w2"],
                               activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
                               situ_linear_beta=cfg.situ_linear_beta)
-        out = g.all_reduce(out)
-        start = g.rank * tmax
-        return out[start:start + T]
+        return combine(self.group, d, out)
 
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """K3ForwardModel._moe with the routed experts through `_routed`."""
