@@ -282,3 +282,21 @@ def test_triton_verify_and_fold_match_the_reference_under_the_interpreter():
                             torch.tensor(counts, dtype=torch.int32), torch.tensor(outs))
     for o_slot in outs:
         assert _triton_cpu.rel(big[o_slot], ref[o_slot]) < 1e-5, o_slot
+
+
+def test_kernels_benchmark_smoke(capsys):
+    """benchmarks/spec_decode_kernels.py runs both schemes and prints the table (tiny shape, one iteration)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_decode_kernels.py"
+    spec = importlib.util.spec_from_file_location("spec_decode_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--device", "cpu", "--shapes", "small", "--batch", "2", "--k", "2", "--iters", "1"])
+    out = capsys.readouterr().out
+    line = [ln for ln in out.splitlines() if ln.startswith("small")]
+    assert len(line) == 1
+    cells = line[0].split()
+    assert int(cells[10]) == 2 * (2 * 16 * 16 * 4 + 3 * 2 * 16 * 3 * 4)  # k (state + conv window), float32
+    assert int(cells[11]) == 3 * (2 * 16 * 4 + 2 * 2 * 16 * 4 + 3 * 2 * 16 * 4)  # T (u + key|gate + conv in)
