@@ -115,8 +115,10 @@ def test_comm_benchmark_counts_the_collectives_it_issues():
     import sys
 
     bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "parallel_comm.py")
-    proc = subprocess.run([sys.executable, bench, "--tokens", "16", "--steps", "2"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, bench, "--tokens", "16", "--steps", "2", "--k3-tokens", "64", "--ranks", "4",
+                           "--overhead-ranks", "2"], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, PYTHONSAFEPATH="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "formula tp_collectives() == measured shapes: True" in proc.stdout
-    assert "TEP+SP (analytical, not implemented)" in proc.stdout and "ratio vs 1 rank" in proc.stdout
+    assert "formula sp_collectives() == measured shapes: True" in proc.stdout
+    assert "TEP+SP (implemented)" in proc.stdout and "ratio vs 1 rank" in proc.stdout
