@@ -38,7 +38,7 @@ SHAPES = {  # name: (N, K) of the small preset (hidden 2048); counts per decode 
 }
 VARIANTS = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
             for bn, bk, nw, ns in [(2, 2048, 4, 1), (8, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 2),
-                                   (16, 256, 4, 3), (32, 128, 4, 4), (16, 512, 8, 3)]]
+                                   (16, 256, 4, 3), (16, 512, 8, 3)]]
 
 
 def graph_us(fn_for_set, sets: int) -> float:
@@ -57,10 +57,13 @@ def bench_shape(name: str, N: int, K: int, args, bw: float, rows: list) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for M in args.rows:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        if not G.supported(x, ws[0]):
+            print(f"# {name} M={M}: not taken by the kernel (stays on cuBLAS)")
+            continue
         err = float((G.skinny_linear_triton(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max())
         t_cb = graph_us(lambda i, x=x: F.linear(x, ws[i]), sets)
         t_us = graph_us(lambda i, x=x: G.skinny_linear_triton(x, ws[i]), sets)
-        cfg = G.default_config(M, N, K, 2, sms)
+        cfg = G.default_config(N, K, 2, sms)
         knob = f"bn{cfg['block_n']} bk{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}"
         rows.append([name, M, knob, round(t_cb, 2), round(t_us, 2), round(t_cb / t_us, 2),
                      round(nbytes / t_us / 1e6, 2), f"{100 * nbytes / (t_us * 1e-6) / bw:.0f}%", f"{err:.2g}"])
@@ -68,8 +71,6 @@ def bench_shape(name: str, N: int, K: int, args, bw: float, rows: list) -> None:
         if not args.variants:
             continue
         for v in VARIANTS:
-            if M > 1 and v["block_n"] < 16:
-                continue
             try:
                 t_v = graph_us(lambda i, v=v, x=x: G.skinny_linear_triton(x, ws[i], **v), sets)
             except Exception as e:  # noqa: BLE001 (a knob setting the compiler rejects: say so, go on)
@@ -83,7 +84,7 @@ def bench_shape(name: str, N: int, K: int, args, bw: float, rows: list) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--sets", type=int, default=0, help="weight copies per case (default: ~400 MB of them)")
     ap.add_argument("--variants", action="store_true")
     args = ap.parse_args()

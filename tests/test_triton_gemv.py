@@ -1,6 +1,6 @@
 """The skinny GEMM (kernels/triton/gemv.py) under the CPU interpreter against `reference.linear` computed in
-float64 from the same rounded operands: random shapes (M 1..16, N and K not multiples of the tiles), both paths
-(M == 1 FMA, M >= 2 dot), mixed operand dtypes with the compute-dtype cast folded into the load, strided rows,
+float64 from the same rounded operands: random shapes (M 1..16 with small weights, N and K not multiples of the
+tiles), mixed operand dtypes with the compute-dtype cast folded into the load, strided rows,
 several K iterations, and the dispatch through `k3serve.kernels.ops.linear`.
 
 Tolerances: fp32 outputs rtol 1e-5 of the row scale (fp32 sums in another order); bf16/fp16 outputs within one
@@ -76,8 +76,8 @@ def test_strided_rows_and_several_k_iterations(M):
 
 
 def test_dispatch_and_fallbacks(monkeypatch):
-    """ops.linear: M <= 16 on the kernel, M = 17, 0 rows, K not a multiple of 8 and 3-D x on the reference op
-    (same values either way); SKINNY_GEMM off sends everything to the reference."""
+    """ops.linear: M <= 16 with a small weight on the kernel, M = 17, 0 rows, K not a multiple of 8, 3-D x and 2 rows
+    with a large weight on the reference op (same values either way); SKINNY_GEMM off sends everything there."""
     monkeypatch.setenv("K3SERVE_KERNELS", "triton")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(24, 64, generator=g).to(BF)
@@ -91,16 +91,17 @@ def test_dispatch_and_fallbacks(monkeypatch):
     assert calls == [(16, 64)]
     x = torch.randn(1, 12, generator=g)
     assert not G.supported(x, torch.randn(5, 12, generator=g))  # K % 8 != 0
+    big = torch.empty(1024, 1024, dtype=F32)  # 4 MB: one row yes, two rows no
+    assert G.supported(torch.randn(1, 1024), big) and not G.supported(torch.randn(2, 1024), big)
     monkeypatch.setattr(triton_ops, "SKINNY_GEMM", False)
     ops.linear(torch.randn(1, 64, generator=g).to(BF), w)
     assert calls == [(16, 64)]
 
 
 def test_default_config_fills_the_gpu():
-    """M == 1: at least two programs per SM where N allows, a tile of at most 16 KB per K iteration."""
-    for N, K in [(2048, 2048), (8448, 2048), (2048, 1024), (64, 2048), (2048, 6144)]:
-        c = G.default_config(1, N, K, 2, 132)
-        assert c["block_n"] * c["block_k"] * 2 <= 16384
-        assert -(-N // c["block_n"]) >= min(264, N)
-        c = G.default_config(8, N, K, 2, 132)
-        assert c["block_n"] >= 16 and c["block_k"] >= 16
+    """At least two programs per SM where N allows, a weight tile of at most 16 KB per K iteration."""
+    for N, K in [(2048, 2048), (8336, 2048), (2048, 1024), (64, 2048), (2048, 6144), (2048, 128)]:
+        for elem in (2, 4):
+            c = G.default_config(N, K, elem, 132)
+            assert c["block_n"] * c["block_k"] * elem <= 16384
+            assert -(-N // c["block_n"]) >= min(264, N)
