@@ -50,6 +50,10 @@ _CUMULATIVE: dict[tuple[str, tuple], str] = {
     ("k3serve_kda_snapshots_evicted", ()): "kda_snapshots_evicted",
     ("k3serve_prefill_tokens_computed", ()): "prefill_tokens_computed",
     ("k3serve_prefill_tokens_skipped", ()): "prefill_tokens_skipped",
+    # speculative decoding (present only with speculative_config)
+    ("vllm:spec_decode_num_drafts", ()): "spec_decode_num_drafts",
+    ("vllm:spec_decode_num_draft_tokens", ()): "spec_decode_num_draft_tokens",
+    ("vllm:spec_decode_num_accepted_tokens", ()): "spec_decode_num_accepted_tokens",
     # the host-memory offload tier (present only with --kv-offload-memory)
     ("k3serve_kv_offload_hit_tokens", ()): "kv_offload_hit_tokens",
     ("k3serve_kv_offload_stored_pages", ()): "kv_offload_stored_blocks",
@@ -149,6 +153,12 @@ class EngineMetrics:
             if delta > 0:
                 child.inc(delta)
             self._cumulative[(metric, labels, key)] = value
+        for pos, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+            key = ("vllm:spec_decode_num_accepted_tokens_per_pos", pos)
+            child = self.m[key[0]].labels(model_name=self.model_name, position=str(pos))
+            if value > self._cumulative.get(key, 0.0):
+                child.inc(value - self._cumulative.get(key, 0.0))
+            self._cumulative[key] = float(value)
         self._store_series(stats)
 
     def _store_series(self, stats: dict) -> None:

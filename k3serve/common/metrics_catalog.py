@@ -60,6 +60,12 @@ CATALOG: tuple[MetricSpec, ...] = (
                _M, _W, LATENCY_BUCKETS),
     MetricSpec("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.", _M, _W),
     MetricSpec("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.", _M, _W),
+    # speculative decoding (workers/engine/spec/; counted by LLMEngine.spec_stats)
+    MetricSpec("vllm:spec_decode_num_drafts", "counter", "Verify steps of a request with at least one draft.", _M, _W),
+    MetricSpec("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens proposed and verified.", _M, _W),
+    MetricSpec("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.", _M, _W),
+    MetricSpec("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+               "Draft tokens accepted at each draft position (0 = the first draft).", _M + ("position",), _W),
     # --- engine (k3serve) ---
     MetricSpec("k3serve_kda_state_slots_used", "gauge", "KDA state pages held by requests and the cache.", _M, _W),
     MetricSpec("k3serve_kda_state_slots_total", "gauge", "KDA state pages the pool can hold.", _M, _W),

@@ -118,7 +118,12 @@ class LLMEngine:
         self.args = args
         self.device = args.device
         self.dtype = resolve_dtype(args.dtype, args.device)
-        self.model_config, weights = load_model_weights(args.model, dtype=self.dtype, device=args.device)
+        if dp is None and int(getattr(args, "tensor_parallel_size", 1) or 1) > 1:  # each rank reads its own shard
+            from k3serve.workers.model.config import K3Config  # (workers/engine/parallel/shard.py load_shard)
+
+            self.model_config, weights = K3Config.from_pretrained(args.model), None
+        else:
+            self.model_config, weights = load_model_weights(args.model, dtype=self.dtype, device=args.device)
         if args.skip_tokenizer_init:
             self.tokenizer = None
         else:
@@ -135,6 +140,7 @@ class LLMEngine:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         self.served_model_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
         tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+        self.spec = self._speculation(args, cfg, tp)  # workers/engine/spec/config.py (None: no speculation)
         self.dp = dp
         if int(getattr(args, "data_parallel_size", 1) or 1) != 1:  # one rank of a DEP group
             if dp is None:
@@ -151,7 +157,6 @@ class LLMEngine:
         self.layout = layout
         caching = bool(args.enable_prefix_caching)
         min_blocks = layout.min_blocks_for(self.max_model_len, caching)
-        self.spec = self._speculation(args, cfg, tp)
         if self.spec is not None:  # a speculating request's extra KDA blocks (workers/engine/spec/rollback.py)
             min_blocks += len(layout.kda_groups) * self.spec_scheme.extra_slots(self.spec.num_speculative_tokens)
         kv_bytes = self._kv_budget(args.kv_cache_memory, min_blocks * layout.bytes_per_block)

@@ -1,0 +1,267 @@
+"""Speculative decoding in the engine (workers/engine/spec/): greedy with speculation == greedy without ==
+the reference forward (float64, token for token), on random configs and prompts, with prefix caching,
+chunked prefill and batching on, for both KDA rollback schemes, k in {1, 3}, with three drafters:
+
+* `ngram` and `mtp` (the checkpoint's MTP layer, here UNTRAINED: random weights) — the real proposers;
+  on random models they are rarely right, so they mostly exercise rejection;
+* an oracle drafter (test-only) that knows the reference continuation and corrupts each draft with
+  probability 1/3, so accepted runs of every length 0..k and rejections at every position happen.
+
+Also: a commit crossing a retained prefix-cache boundary leaves the exact snapshot (a resend of
+prompt + output hits a snapshot written by a commit and still continues as the reference), preemption
+(drafts dropped), stops inside an accepted run, the MTP drafter == workers/model/mtp.py `mtp_propose`,
+logprobs, and the bad-input errors.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _engine_helpers import random_model_dir, reference_outputs, tight_kv_budget
+
+from k3serve.sampling_params import SamplingParams
+from k3serve.workers.engine.spec.config import speculative_config_from
+from k3serve.workers.llm import LLM
+from k3serve.workers.model.testing import random_config
+
+MTP_SEEDS = [s for s in range(40) if random_config(s).num_nextn_predict_layers > 0][:4]
+MAX_NEW = 20  # reference tokens per prompt; engines generate FIRST of them, the resend checks the rest
+FIRST = 14
+
+
+class OracleDrafter:
+    """Drafts the reference continuation, each draft replaced by a random token with probability 1/3."""
+
+    needs_hidden = False
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], k: int, vocab: int, seed: int):
+        self.refs, self.k, self.vocab, self.seed = refs, k, vocab, seed
+
+    def observe(self, req, start, hidden, verified):
+        pass
+
+    def propose(self, req) -> list[int]:
+        seq = req.all_token_ids
+        for prompt, ref in self.refs.items():  # the reference sequence this one is a prefix of
+            full = list(prompt) + ref
+            if len(seq) < len(full) and full[:len(seq)] == seq:
+                rng = random.Random(hash((self.seed, len(seq), prompt)))
+                nxt = full[len(seq):len(seq) + self.k]
+                return [t if rng.random() > 1 / 3 else rng.randrange(self.vocab) for t in nxt]
+        return []
+
+    def drop(self, request_id):
+        pass
+
+
+_CACHE: dict = {}
+
+
+def _setup(tmp_path_factory, seed: int):
+    """Model dir, prompts (with shared prefixes and repeats, so the prefix cache hits and n-grams match),
+    and the reference's greedy continuations; once per seed."""
+    if seed not in _CACHE:
+        d = random_model_dir(tmp_path_factory.mktemp(f"spec{seed}"), seed)
+        cfg = random_config(seed)
+        rng = random.Random(seed)
+        V = cfg.vocab_size
+        base = [rng.randrange(V) for _ in range(rng.randint(12, 24))]
+        motif = [rng.randrange(V) for _ in range(4)]
+        prompts = [base + [rng.randrange(V) for _ in range(rng.randint(2, 10))],
+                   base + motif * 3,
+                   (motif + [rng.randrange(V)]) * 4,
+                   [rng.randrange(V) for _ in range(rng.randint(3, 30))]]
+        _CACHE[seed] = (d, cfg, prompts, reference_outputs(d, prompts, MAX_NEW))
+    return _CACHE[seed]
+
+
+def _llm(d, spec, **kw) -> LLM:
+    kw.setdefault("max_num_batched_tokens", 24)  # chunked prefill; verify chunks share steps with prefills
+    # snapshots every 8 tokens (a unit of 8): verify commits cross retained boundaries often
+    return LLM(str(d), dtype="float64", skip_tokenizer_init=True, enable_prefix_caching=True, prefix_match_unit=8,
+               prefix_cache_retention_interval=8, speculative_config=spec, **kw)
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def _record_commits(llm) -> list[tuple[str, int]]:
+    """(request id, absolute boundary) of every snapshot a rollback commit wrote."""
+    seen: list[tuple[str, int]] = []
+    kv = llm.engine.kv_manager
+    orig = kv.commit_spec
+
+    def wrapped(req, start, verified):
+        out = orig(req, start, verified)
+        seen.extend((req.request_id, start + off) for off, _blocks in out)
+        return out
+
+    kv.commit_spec = wrapped
+    return seen
+
+
+CASES = [(rb, k, drafter) for drafter in ("oracle", "ngram", "mtp") for rb in ("multi_slot", "recover_ssm")
+         for k in (1, 3)]
+
+
+@pytest.mark.parametrize("rollback,k,drafter", CASES)
+def test_greedy_with_speculation_equals_reference(tmp_path_factory, rollback, k, drafter):
+    seed = MTP_SEEDS[CASES.index((rollback, k, drafter)) % len(MTP_SEEDS)]
+    d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
+    spec = {"method": "mtp" if drafter == "mtp" else "ngram", "num_speculative_tokens": k, "rollback": rollback}
+    if drafter == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    llm = _llm(d, spec)
+    if drafter == "oracle":
+        llm.engine.proposer = OracleDrafter({tuple(p): r for p, r in zip(prompts, ref)}, k, cfg.vocab_size, seed)
+    commits = _record_commits(llm)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(FIRST))]
+    assert out == [r[:FIRST] for r in ref]
+    st = llm.engine.stats()
+    assert st["spec_decode_num_draft_tokens"] > 0
+    assert st["spec_decode_num_draft_tokens"] >= st["spec_decode_num_accepted_tokens"]
+    if drafter == "oracle":  # both outcomes, at every position
+        assert st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+        assert all(n > 0 for n in st["spec_decode_num_accepted_tokens_per_pos"])
+        assert commits, "no commit crossed a retained boundary"
+    # resend prompt + output: the hit reaches a snapshot of the first run; the continuation is the reference's
+    resend = [p + r[:FIRST] for p, r in zip(prompts, ref)]
+    outs = llm.generate(resend, _greedy(MAX_NEW - FIRST))
+    assert [o.outputs[0].token_ids for o in outs] == [r[FIRST:] for r in ref]
+    assert all(o.num_cached_tokens >= 8 for o in outs)
+    if drafter == "oracle":
+        first_ids = {rid for rid, _p in commits}
+        assert any(o.num_cached_tokens in {p for _r, p in commits} for o in outs), (commits, first_ids)
+
+
+@pytest.mark.parametrize("rollback", ["multi_slot", "recover_ssm"])
+def test_preemption_drops_drafts(tmp_path_factory, rollback):
+    seed = MTP_SEEDS[1]
+    d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback}
+    kw = dict(enable_prefix_caching=True, speculative_config=spec, block_size=8)
+    lay = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_model_len=64, **kw).engine.layout
+    extra = len(lay.kda_groups) * (3 if rollback == "multi_slot" else 0)  # the spec slots of one request
+    budget = tight_kv_budget(d, 64, 3 + extra, **kw)
+    llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, kv_cache_memory=budget, max_num_batched_tokens=24,
+              max_model_len=64, **kw)
+    llm.engine.proposer = OracleDrafter({tuple(p): r for p, r in zip(prompts, ref)}, 3, cfg.vocab_size, seed)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(MAX_NEW))]
+    assert out == ref
+    st = llm.engine.stats()
+    assert st["num_preemptions"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
+
+
+class PerfectDrafter(OracleDrafter):
+    """Always drafts the reference continuation: every verify step accepts its whole run."""
+
+    def propose(self, req) -> list[int]:
+        seq = req.all_token_ids
+        for prompt, r in self.refs.items():
+            full = list(prompt) + r
+            if len(seq) < len(full) and full[:len(seq)] == seq:
+                return full[len(seq):len(seq) + self.k]
+        return []
+
+
+def test_stops_apply_inside_the_accepted_run(tmp_path_factory):
+    seed = MTP_SEEDS[2]
+    d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
+    llm = _llm(d, {"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.proposer = PerfectDrafter({tuple(p): r for p, r in zip(prompts, ref)}, 3, cfg.vocab_size, seed)
+    for i in range(len(prompts)):
+        m = next((j for j in range(2, MAX_NEW) if ref[i][j] not in ref[i][:j]), None)  # a stop id first seen at m
+        if m is None:
+            continue
+        o = llm.generate([prompts[i]], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                      stop_token_ids=[ref[i][m]]))[0].outputs[0]
+        assert o.token_ids == ref[i][:m + 1] and o.finish_reason == "stop" and o.stop_reason == ref[i][m]
+    for n in (1, 2, 5, 6):  # max_tokens never overshot, whatever the run length
+        o = llm.generate([prompts[0]], _greedy(n))[0].outputs[0]
+        assert o.token_ids == ref[0][:n] and o.finish_reason == "length"
+    st = llm.engine.stats()
+    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"] > 0
+
+
+def test_mtp_drafts_equal_the_reference_drafter(tmp_path_factory):
+    from k3serve.workers.model.mtp import mtp_propose
+    from k3serve.workers.model.reference import load_reference_model
+
+    seed = MTP_SEEDS[0]
+    d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
+    k = 3
+    llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_batched_tokens=16,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    prop = llm.engine.proposer
+    seen: list[tuple[list[int], list[int]]] = []
+    orig = prop.propose
+
+    def record(req):
+        drafts = orig(req)
+        seen.append((list(req.all_token_ids), drafts))
+        return drafts
+
+    prop.propose = record
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], _greedy(8))] == [r[:8] for r in ref[:2]]
+    model = load_reference_model(str(d), dtype=torch.float64)
+    assert len(seen) >= 6
+    for toks, drafts in seen:
+        target_next, want = mtp_propose(model, toks[:-1], k)
+        assert target_next == toks[-1]
+        assert drafts == want
+
+
+def test_logprobs_with_speculation_equal_without(tmp_path_factory):
+    seed = MTP_SEEDS[3]
+    d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    base = LLM(str(d), dtype="float64", skip_tokenizer_init=True).generate(prompts[:2], sp)
+    llm = _llm(d, {"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.proposer = OracleDrafter({tuple(p): r for p, r in zip(prompts, ref)}, 3, cfg.vocab_size, seed)
+    got = llm.generate(prompts[:2], sp)
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    for a, b in zip(base, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ea.keys() == eb.keys()
+            for t in ea:
+                assert abs(ea[t].logprob - eb[t].logprob) < 1e-9 and ea[t].rank == eb[t].rank
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("{not json", "not valid JSON"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method 'eagle'"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "ngram"}', "num_speculative_tokens is required"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "rollback": "undo"}', "unknown rollback 'undo'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "unknown key 'k'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
+     "prompt_lookup_min (5) must be <= prompt_lookup_max (2)"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_bad_speculative_config_is_one_clear_error(value, needle):
+    with pytest.raises(ValueError, match="speculative_config: ") as e:
+        speculative_config_from(value)
+    assert needle in str(e.value)
+
+
+def test_bad_speculative_config_on_the_command_line(tiny_model_dir, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "k3serve.cli", "worker", "--model", str(tiny_model_dir),
+                        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": -1}'],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "argument --speculative-config: speculative_config: num_speculative_tokens" \
+        in r.stderr, r.stderr
+    # the model-dependent check: mtp on a checkpoint without an MTP layer (an engine error: one line, exit 1)
+    no_mtp = next(s for s in range(40) if random_config(s).num_nextn_predict_layers == 0)
+    d = random_model_dir(Path(tmp_path), no_mtp)
+    with pytest.raises(ValueError, match="method 'mtp' needs a checkpoint with an MTP layer"):
+        LLM(str(d), skip_tokenizer_init=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="not implemented with tensor_parallel_size > 1"):
+        LLM(str(d), skip_tokenizer_init=True, tensor_parallel_size=2,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
