@@ -4,6 +4,10 @@
     shard.py     which layouts can shard a model (check_layout), each rank's config and weight shard, ExpertMap
     layers.py    ParallelK3ForwardModel: the engine's model with vocab-parallel embedding / LM head,
                  head-sharded KDA and MLA, column/row-parallel MLPs, TP-sliced or expert-parallel MoE
+    moe_a2a.py   expert-parallel MoE by all-to-all: dispatch each rank's own tokens to the ranks holding
+                 their experts (ExpertMap), combine the weighted results back (ragged counts)
+    seq_parallel.py  SequenceParallelK3ForwardModel: TEP with sequence parallelism (token-sharded residual
+                 stream: reduce-scatter after o_proj, MoE by all-to-all, all-gather before QKV)
     launcher.py  the process model: rank 0 runs the scheduler and the sampler, ranks 1..N-1 are spawned
                  processes that receive each step's SchedulerOutput over a pipe and run the model runner
 
