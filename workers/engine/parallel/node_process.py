@@ -44,7 +44,7 @@ def remote_rank_main(rank: int, nodes: NodeLayout, bind_host: str, notify, paren
                         format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     try:
-        _store, link = connect_to_leader(nodes, rank, RENDEZVOUS_TIMEOUT_S, notify)
+        _store, link = connect_to_leader(nodes, rank, RENDEZVOUS_TIMEOUT_S, notify, source_host=bind_host)
         spec = link.recv()
     except (OSError, EOFError, RuntimeError) as e:
         print(f"{PROG}: rank {rank}: {e}", file=sys.stderr, flush=True)

@@ -289,8 +289,9 @@ class LeaderLink(_Link):
                 raise EOFError(f"the group leader {self.peer} was silent for {self.silent_for():.1f} s")
 
 
-def connect_to_leader(nodes: NodeLayout, rank: int, timeout_s: float, notify=None):
-    """A remote rank: join the leader's store, then open its step connection; returns (store, link)."""
+def connect_to_leader(nodes: NodeLayout, rank: int, timeout_s: float, notify=None, source_host: str | None = None):
+    """A remote rank: join the leader's store, then open its step connection (from `source_host`, this
+    node's address, when given); returns (store, link)."""
     from k3serve.workers.engine.parallel.group import join_store
 
     leader_ip = resolve(nodes.master_addr, timeout_s)
@@ -301,7 +302,8 @@ def connect_to_leader(nodes: NodeLayout, rank: int, timeout_s: float, notify=Non
         raise RendezvousError(f"rendezvous: the leader at {nodes.leader} never published its step port "
                               f"({str(e).splitlines()[0]})") from None
     try:
-        sock = socket.create_connection((leader_ip, port), timeout=min(timeout_s, 30.0))
+        sock = socket.create_connection((leader_ip, port), timeout=min(timeout_s, 30.0),
+                                        source_address=(source_host, 0) if source_host else None)
     except OSError as e:
         raise RendezvousError(f"rendezvous: cannot reach the leader's step port {leader_ip}:{port} "
                               f"({e.strerror or e})") from None
