@@ -88,7 +88,7 @@ def worker_args(ctx: Context, pool: PoolLayout) -> list[str]:
         str(pool.data_parallel),
     ]
     if pool.expert_parallel:
-        args.append("--expert-parallel")
+        args.append("--enable-expert-parallel")
     if ctx.kv_store_address:
         args += ["--kv-store", ctx.kv_store_address]
         if ctx.spec["kvStore"].get("deadlineMs"):

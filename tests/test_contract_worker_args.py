@@ -44,7 +44,8 @@ def test_multi_rank_layout_is_refused_clearly():
     assert "multi-rank decode" in worker.unsupported_layout(ns)  # P/D into a TP group: not implemented
     ns = p.parse_args(["--model", "m", "--tensor-parallel-size", "8", "--role", "prefill"])
     assert worker.unsupported_layout(ns) is None  # P/D from a TP group: each rank's pages (kv_transfer/)
-    dp = ["--model", "m", "--data-parallel-size", "2", "--expert-parallel"]
+    dp = ["--model", "m", "--data-parallel-size", "2", "--enable-expert-parallel"]
+    assert p.parse_args(["--model", "m", "--expert-parallel"]).enable_expert_parallel  # the former spelling
     assert worker.unsupported_layout(p.parse_args(dp)) is None  # DEP is served (workers/engine/parallel/dp_front.py)
     assert "P/D transfers from or into a data-parallel worker" in worker.unsupported_layout(
         p.parse_args(dp + ["--role", "decode"]))

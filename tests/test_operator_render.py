@@ -143,7 +143,7 @@ def test_worker_router_and_store_command_lines_follow_the_contract():
         assert _flag(args, "--host") == "$(K3SERVE_POD_IP)"
         assert (_flag(args, "--grpc-port"), _flag(args, "--metrics-port")) == ("50051", "9100")
         assert (_flag(args, "--tensor-parallel-size"), _flag(args, "--data-parallel-size")) == (tp, dp)
-        assert "--expert-parallel" in args
+        assert "--enable-expert-parallel" in args
         assert _flag(args, "--kv-store") == "k3-kvstore.ns.svc.cluster.local:50051"
         assert "--enable-prefix-caching" in args and "--prefix-cache-selective-retention" in args
         assert _flag(args, "--prefix-cache-eviction") == "compute-per-byte"
@@ -178,7 +178,7 @@ def test_worker_router_and_store_command_lines_follow_the_contract():
     args = tiny[("StatefulSet", "tiny-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--model") == "/models/tiny" and _flag(args, "--kv-cache-memory") == str(256 * 2**20)
     assert (_flag(args, "--block-size"), _flag(args, "--prefix-match-unit")) == ("64", "16")
-    assert "--expert-parallel" not in args
+    assert "--enable-expert-parallel" not in args
 
 
 def test_router_selectors_select_exactly_the_group_leaders():

@@ -1,4 +1,4 @@
-"""`k3serve worker --data-parallel-size 2 --expert-parallel` (DEP) as a real process on the tiny checkpoint: one
+"""`k3serve worker --data-parallel-size 2 --enable-expert-parallel` (DEP) as a real process on the tiny checkpoint: one
 gRPC endpoint serves greedy tokens equal to the single-rank offline engine's (float64) with the requests spread
 over both ranks; the router's prefix index, fed by the worker's one merged KV-event stream, predicts exactly the
 cached tokens the worker then reports for prompts extending the first two (b arrives while a runs, so the
@@ -46,7 +46,7 @@ def _generate(stub, rid, prompt, max_tokens=4, on_first=None):
 def test_dep_worker_serves_one_endpoint_merges_kv_events_and_dies_cleanly(tiny_model_dir):
     cmd = [sys.executable, "-m", "k3serve.cli", "worker", "--model", str(tiny_model_dir), "--grpc-port", "0",
            "--metrics-port", "0", "--max-model-len", "256", "--num-threads", "1", "--log-level", "warning",
-           "--data-parallel-size", "2", "--expert-parallel", "--dtype", "float64", *CACHE]
+           "--data-parallel-size", "2", "--enable-expert-parallel", "--dtype", "float64", *CACHE]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONSAFEPATH="1"))
     lines, found = [], None

@@ -134,7 +134,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 kw["nargs"] = spec.nargs
             if spec.metavar:
                 kw["metavar"] = spec.metavar
-        g.add_argument(opt, **kw)
+        g.add_argument(opt, *spec.aliases, **kw)
     g.add_argument("--num-threads", type=_argparse_type(positive_int), default=None,
                    help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)

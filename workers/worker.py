@@ -30,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="also serve gRPC on the Unix-domain socket PATH (k3serve up --store reaches "
                              "workers in a private network namespace this way)")
     parser.add_argument("--metrics-port", type=int, default=9100, help="0 picks a free port")
-    # The parallel layout (--tensor-parallel-size, --data-parallel-size, --expert-parallel) and the store
+    # The parallel layout (--tensor-parallel-size, --data-parallel-size, --enable-expert-parallel) and the store
     # address (--kv-store) are EngineArgs fields; what is not implemented is refused below with a clear message.
     add_engine_args(parser)
     from k3serve.workers.kv_events_zmq import add_zmq_args

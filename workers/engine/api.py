@@ -23,7 +23,8 @@ How to add a field (its flag appears in `serve` and `worker` by itself):
 
 * `arg(default, help, ...)` is `dataclasses.field` with the CLI description in its metadata. The flag is
   the field name with `-` for `_` (`--my-budget`); pass `flag="--other-spelling"` only to keep a spelling
-  fixed elsewhere (the pod contract in docs/components.md names the worker's flags).
+  fixed elsewhere (the pod contract in docs/components.md names the worker's flags), `aliases=` to keep a
+  renamed flag's old spelling parsing.
 * The value parser: `parse=` a function str -> value that raises ValueError with a readable message
   (argparse prints it as `argument --my-budget: <message>`, exit 2). Without `parse=` it follows the
   default's type (int, float, str). A bool field with default False is a switch (`--my-switch`); with
@@ -65,14 +66,16 @@ class Flag:
     nargs: str | None = None
     to_field: Callable[[Any], Any] | None = None
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # other spellings argparse also accepts (a renamed flag's old one)
 
 
 def arg(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, choices=None, flag: str | None = None,
         nargs: str | None = None, to_field: Callable[[Any], Any] | None = None, metavar: str | None = None,
-        cli: bool = True):
+        cli: bool = True, aliases: tuple[str, ...] = ()):
     """A dataclass field whose metadata says how its flag is generated (cli=False: not a flag).
     `default=MISSING` makes the field required."""
-    meta = {CLI: Flag(help, parse, tuple(choices) if choices else None, flag, nargs, to_field, metavar)} if cli else {}
+    meta = ({CLI: Flag(help, parse, tuple(choices) if choices else None, flag, nargs, to_field, metavar,
+                       tuple(aliases))} if cli else {})
     return field(default=default, metadata=meta)
 
 
@@ -229,10 +232,12 @@ class EngineArgs:
     # Multi-rank engines (workers/engine/parallel/): CPU ranks over gloo, one process per rank
     tensor_parallel_size: int = arg(
         1, "tensor-parallel ranks (one process each; divides the KDA and MLA head counts)", parse=positive_int)
-    data_parallel_size: int = arg(1, "attention data-parallel ranks (only 1 is implemented)", parse=positive_int)
+    data_parallel_size: int = arg(
+        1, "attention data-parallel ranks (DEP: each its own requests and caches, one process each; needs "
+        "--enable-expert-parallel and tensor_parallel_size 1)", parse=positive_int)
     enable_expert_parallel: bool = arg(
         False, "shard the routed experts over the ranks (whole experts) instead of slicing each one",
-        flag="--expert-parallel")  # the pod contract's spelling (docs/components.md)
+        aliases=("--expert-parallel",))  # vLLM's spelling; the pod contract's former one still parses
     enable_sequence_parallel: bool = arg(
         False, "with tensor_parallel_size > 1 and expert parallelism: shard the tokens between attention layers "
         "(reduce-scatter after o_proj, MoE all-to-all, all-gather before QKV); one rank: no effect")
