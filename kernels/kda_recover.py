@@ -233,17 +233,20 @@ def conv_window_fold(
     N, tmax, C = x.shape
     if conv_states.shape[1] != C:
         raise ValueError(f"conv_states {tuple(conv_states.shape)} vs inputs {tuple(x.shape)}")
+    for name, t in (("state_indices", state_indices), ("num_tokens", num_tokens), ("out_slots", out_slots)):
+        if t.numel() != N:
+            raise ValueError(f"{name}: expected {N} entries, got {t.numel()}")
+    if N == 0:
+        return
+    if not num_tokens.is_cuda and any(not 0 <= c <= tmax for c in num_tokens.tolist()):
+        raise ValueError(f"num_tokens must be in [0, {tmax}]; got {num_tokens.tolist()}")
     w = conv_states.shape[2]
-    slots = int_list(state_indices, N, "state_indices")
-    outs = int_list(out_slots, N, "out_slots")
-    counts = int_list(num_tokens, N, "num_tokens")
-    if any(not 0 <= c <= tmax for c in counts):
-        raise ValueError(f"num_tokens must be in [0, {tmax}]; got {counts}")
-    init = bool_list(has_initial_state, N, "has_initial_state")
-    wins = []
-    for n in range(N):
-        hist = conv_states[slots[n]] if init[n] else torch.zeros_like(conv_states[0])
-        full = torch.cat([hist, x[n, : counts[n]].to(conv_states.dtype).t()], dim=1)  # [C, K-1+c]
-        wins.append(full[:, counts[n] : counts[n] + w].clone())
-    for n in range(N):
-        conv_states[outs[n]].copy_(wins[n])
+    dev = conv_states.device
+    hist = conv_states.index_select(0, state_indices.to(device=dev, dtype=torch.long))  # [N, C, K-1] (a copy)
+    if has_initial_state is not None:
+        keep = has_initial_state.to(device=dev, dtype=torch.bool).view(N, 1, 1)
+        hist = torch.where(keep, hist, torch.zeros((), dtype=hist.dtype, device=dev))
+    full = torch.cat([hist, x.to(device=dev, dtype=conv_states.dtype).transpose(1, 2)], dim=2)  # [N, C, K-1+Tmax]
+    start = num_tokens.to(device=dev, dtype=torch.long).view(N, 1, 1)
+    cols = (start + torch.arange(w, device=dev).view(1, 1, w)).expand(N, C, w)
+    conv_states.index_copy_(0, out_slots.to(device=dev, dtype=torch.long), full.gather(2, cols))

@@ -180,8 +180,10 @@ class RecoverSSMRollback(RollbackScheme):
             by_row: dict[int, list[tuple[int, int]]] = {}
             for r, off, blocks in st.checkpoints:
                 by_row.setdefault(r, []).append((off, blocks[gi]))
+            dev = qkv.device
             for r, entries in by_row.items():
-                self._fold_layer(model, i, j, gi, r, entries)
+                self._fold_layer(model, i, j, gi, r, torch.tensor([off for off, _ in entries], device=dev),
+                                 torch.tensor([blk for _, blk in entries], device=dev))
         return o
 
     # -- commit ---------------------------------------------------------------------------------
@@ -194,26 +196,23 @@ class RecoverSSMRollback(RollbackScheme):
         if self._model is None:
             raise RuntimeError("recover_ssm: commit before any KDA layer ran the verify (batch.spec.kda_mix unused)")
         r = st.buf_row[row.request_id]
+        dev = self.corr[self.layers[0][0]].device
+        lt = dict(dtype=torch.long, device=dev)
+        counts = torch.tensor([off for off, _ in snapshots] + [accepted_len], **lt)
+        outs = [torch.tensor([blocks[gi] for _, blocks in snapshots] + [row.running_slots[gi]], **lt)
+                for gi in range(len(self.layout.kda_groups))]
         for i, gi, j in self.layers:
-            entries = [(off, blocks[gi]) for off, blocks in snapshots]
-            entries.append((accepted_len, row.running_slots[gi]))
-            self._fold_layer(self._model, i, j, gi, r, entries)
+            self._fold_layer(self._model, i, j, gi, r, counts, outs[gi])
 
-    def _fold_layer(self, model, i: int, j: int, gi: int, r: int, entries: list[tuple[int, int]]) -> None:
-        """Write the fold of buffer row r's first `off` tokens into `block`, for each (off, block), at
-        KDA layer i (page position j); the running block is read (S0) before any block is written."""
+    def _fold_layer(self, model, i: int, j: int, gi: int, r: int, counts: torch.Tensor, outs: torch.Tensor) -> None:
+        """Write the fold of buffer row r's first counts[n] tokens into block outs[n] at KDA layer i (page
+        position j); the running block is read (S0) before any block is written."""
         st = self._step
         cfg, w = model.cfg, model.w
         p = f"model.layers.{i}.self_attn."
-        K = self.K
-        T = self.T
-        N = len(entries)
-        dev = self.corr[i].device
-        lt = dict(dtype=torch.long, device=dev)
+        K, T, N = self.K, self.T, counts.numel()
         run = st.run_slots[gi][r : r + 1].expand(N)
         init = st.has_init[r : r + 1].expand(N)
-        counts = torch.tensor([off for off, _ in entries], **lt)
-        outs = torch.tensor([blk for _, blk in entries], **lt)
         kg = self.key_gate[i][r]  # [T, h, 2K]
         g = ops.kda_gate(kg[..., K:], w[p + "A_log"], w[p + "dt_bias"], cfg.gate_lower_bound)
         k = kg[..., :K]
