@@ -4,6 +4,7 @@ Dispatch happens in ONE place, `_impl(name, tensor)`: a tensor on CUDA goes to t
 registered for the "triton" backend under that op name (if any), everything else to
 `k3serve.kernels.reference`. A Triton package registers itself with `register_impl(name, fn)`; the
 module `k3serve.kernels.triton_ops`, if it exists, is imported on the first CUDA call so it can do so.
+CPU tensors go to the batched CPU forms in `k3serve.kernels.cpu` where it has one (same contracts).
 Setting the environment variable K3SERVE_KERNELS=reference forces the reference ops everywhere;
 K3SERVE_KERNELS=triton sends CPU tensors to the Triton registrations too, which only makes sense under
 Triton's CPU interpreter (TRITON_INTERPRET=1): it runs the whole engine on the kernels without a GPU.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import reference
+from . import cpu, reference
 
 TRITON = "triton"
 _AUTOLOAD_MODULE = "k3serve.kernels.triton_ops"
@@ -61,6 +62,10 @@ def _impl(name: str, tensor: torch.Tensor) -> Callable:
     if (tensor.is_cuda and mode != "reference") or mode == "triton":
         _autoload()
         fn = _registry[TRITON].get(name)
+        if fn is not None:
+            return fn
+    elif not tensor.is_cuda and mode != "reference":
+        fn = cpu.OPS.get(name)  # the batched CPU forms (k3serve/kernels/cpu/), same contracts
         if fn is not None:
             return fn
     return getattr(reference, name)

@@ -1,0 +1,220 @@
+"""KDA on the CPU: the decode step and the chunked prefill over the whole batch at once.
+
+Same contracts as `k3serve.kernels.reference.kda_decode` and `kda_chunked` (see them); the reference walks
+one sequence (and, in decode, one token) at a time, these walk the batch together:
+
+* `kda_decode`: every row's conv history and state gathered with one index, the conv window, gates,
+  normalisation and delta-rule update as whole-batch products, the states and histories scattered back;
+* `kda_chunked`: every sequence's chunks laid side by side ([chunks, H, C, *], the last chunk of a sequence
+  padded with tokens that change nothing: k = v = q = g = beta = 0). The intra-chunk work (gated q·k and
+  k·k products, the unit-triangular solve for the WY pair) is one batched computation over all chunks;
+  the chunk-to-chunk state recurrence is one step per chunk index, all sequences still running at once.
+  The gated products are e^{G_t - G_s}-weighted dot products; when every |cumulative gate| inside a chunk
+  stays below `FACTOR_LIMIT` (no overflow of e^{±G}) they are computed as GEMMs of k·e^{G} with k·e^{-G},
+  else pairwise (exp of every masked difference, as the reference does) on shorter chunks.
+
+Chunk boundaries are this module's own (they do not change the result: the chunk form is exact); the
+`chunk_size` argument is validated only. Inputs outside the fast path (a state slot shared by two
+sequences, mixed dtypes) go to the reference op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..reference import kda_chunked as _ref_chunked
+from ..reference import kda_decode as _ref_decode
+from ..reference._kda_batch import prepare
+from ..reference._varlen import compute_dtype
+from ..reference.kda_gate import kda_gate
+from ..reference.norms import l2_normalize, rms_norm
+
+FACTOR_LIMIT = {torch.float32: 60.0, torch.float64: 600.0}
+"""Largest |cumulative log-decay| within a chunk for which e^{G} and e^{-G} are both comfortably finite and
+normal (float32: e^60 ~ 1e26; float64: e^600 ~ 1e260)."""
+
+CHUNK = 64  # chunk length of the factorised (GEMM) form
+PAIRWISE_CHUNK = 16  # chunk length of the pairwise form ([chunks, H, C, C, K] exps)
+
+
+def _unique(idx: torch.Tensor) -> bool:
+    return idx.numel() < 2 or torch.unique(idx).numel() == idx.numel()
+
+
+def kda_decode(
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    raw_g: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    beta_logit: torch.Tensor,
+    gate: torch.Tensor,
+    o_norm_weight: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    *,
+    lower_bound: float | None = None,
+    scale: float | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    args = (qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit, gate, o_norm_weight, state_pool,
+            state_indices, has_initial_state)
+    kw = dict(lower_bound=lower_bound, scale=scale, eps=eps)
+    dt = compute_dtype(qkv)
+    N = qkv.shape[0]
+    _, h, K = raw_g.shape
+    V = state_pool.shape[2]
+    P = h * K
+    idx = state_indices.to(torch.long)
+    live = idx >= 0
+    w = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight
+    if (qkv.dtype != dt or state_pool.dtype != dt or conv_states.dtype != dt or qkv.dim() != 2
+            or qkv.shape[1] != 2 * P + h * V or tuple(w.shape[:1]) != (qkv.shape[1],)
+            or tuple(conv_states.shape[1:]) != (w.shape[0], w.shape[1] - 1) or not _unique(idx[live])):
+        return _ref_decode(*args, **kw)
+    out = torch.zeros(N, h, V, dtype=dt)
+    if not bool(live.all()):  # padded rows: zero output, nothing read or written
+        rows = live.nonzero().squeeze(1)
+        if rows.numel():
+            init = None if has_initial_state is None else has_initial_state[rows]
+            out[rows] = kda_decode(qkv[rows], conv_weight, conv_states, raw_g[rows], A_log, dt_bias, beta_logit[rows],
+                                   gate.reshape(N, -1)[rows], o_norm_weight, state_pool, idx[rows], init, **kw)
+        return out.to(qkv.dtype)
+    init = (torch.zeros(N, dtype=torch.bool) if has_initial_state is None
+            else has_initial_state.to(torch.bool).reshape(N))
+    hist = torch.where(init[:, None, None], conv_states[idx], 0)  # [N, C, W-1]
+    full = torch.cat([hist, qkv[:, :, None]], dim=2)  # [N, C, W]
+    y = F.silu((full * w.to(dt)).sum(-1))
+    conv_states[idx] = full[:, :, 1:]
+    g = kda_gate(raw_g, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(beta_logit.to(dt))
+    sc = K ** -0.5 if scale is None else scale
+    q = l2_normalize(y[:, :P].reshape(N, h, K), 1e-6) * sc
+    k = l2_normalize(y[:, P:2 * P].reshape(N, h, K), 1e-6)
+    v = y[:, 2 * P:].reshape(N, h, V)
+    S = torch.where(init[:, None, None, None], state_pool[idx], 0) * torch.exp(g)[:, :, None, :]  # [N, h, V, K]
+    u = beta[:, :, None] * (v - (S @ k[..., None])[..., 0])
+    S = S + u[..., None] * k[:, :, None, :]
+    state_pool[idx] = S
+    o = (S @ q[..., None])[..., 0]
+    return (rms_norm(o, o_norm_weight.to(dt), eps) * torch.sigmoid(gate.reshape(N, h, V).to(dt))).to(qkv.dtype)
+
+
+def _gated_products(qc, kc, G, limit, pairwise):
+    """(A_kk [n,H,C,C] strictly lower, A_qk [n,H,C,C] inclusive lower): Σ_k x_t[k] k_s[k] e^{G_t[k]-G_s[k]}."""
+    C = kc.shape[2]
+    incl = torch.ones(C, C, dtype=torch.bool).tril()
+    if not pairwise:
+        ke = kc * torch.exp(-G)
+        eG = torch.exp(G)
+        a_kk = ((kc * eG) @ ke.transpose(-1, -2)).tril(-1)
+        a_qk = ((qc * eG) @ ke.transpose(-1, -2)).masked_fill(~incl, 0)
+        return a_kk, a_qk
+    diff = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~incl[:, :, None], float("-inf"))
+    m = torch.exp(diff).mul_(kc[:, :, None, :, :])  # [n, H, t, s, K]: k_s e^{G_t - G_s}
+    both = m @ torch.stack([kc, qc], dim=-1)  # [n, H, t, s, 2]
+    return both[..., 0].tril(-1), both[..., 1]
+
+
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    checkpoint_seq: torch.Tensor | None = None,
+    checkpoint_offsets: torch.Tensor | None = None,
+    checkpoint_slots: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    args = (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state)
+    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, checkpoint_seq=checkpoint_seq,
+              checkpoint_offsets=checkpoint_offsets, checkpoint_slots=checkpoint_slots)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    kb = prepare(*args, scale, use_qk_l2norm, checkpoint_seq, checkpoint_offsets, checkpoint_slots)
+    dt = kb.dtype
+    seqs = [b for b, s in enumerate(kb.slots) if s >= 0]
+    if state_pool.dtype != dt or len({kb.slots[b] for b in seqs}) != len(seqs):
+        return _ref_chunked(*args, chunk_size=chunk_size, **kw)
+    T, H, K = kb.q.shape
+    Vd = kb.v.shape[-1]
+    o = torch.zeros(T + 1, H, Vd, dtype=dt)
+    if not seqs:
+        return o[:T].to(v.dtype)
+    lens = {b: kb.cu[b + 1] - kb.cu[b] for b in seqs}
+    if not any(lens.values()):
+        return _ref_chunked(*args, chunk_size=chunk_size, **kw)
+    # the padding token (index T): zeros everywhere, so it leaves the state and the gate sums unchanged
+    qz, kz, vz, gz = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (kb.q, kb.k, kb.v, kb.g))
+    bz = torch.cat([kb.beta, kb.beta.new_zeros(1, H)])
+    limit = FACTOR_LIMIT[dt]
+    for C, pairwise in ((CHUNK, False), (PAIRWISE_CHUNK, False), (PAIRWISE_CHUNK, True)):
+        # sequences by chunk count, longest first: at chunk step j the running ones are a prefix
+        nch = {b: -(-lens[b] // C) for b in seqs}
+        order = sorted(seqs, key=lambda b: -nch[b])
+        steps = max(nch.values())
+        tok_rows, spans = [], []  # spans[j] = (first chunk, number of sequences) of step j
+        for j in range(steps):
+            run = [b for b in order if nch[b] > j]
+            spans.append((len(tok_rows), len(run)))
+            for b in run:
+                t0 = kb.cu[b] + j * C
+                n = min(C, kb.cu[b + 1] - t0)
+                tok_rows.append(list(range(t0, t0 + n)) + [T] * (C - n))
+        idx = torch.tensor(tok_rows)  # [n_chunks, C]
+        qc, kc, gc = (t[idx].transpose(1, 2) for t in (qz, kz, gz))  # [n, H, C, K]
+        G = gc.cumsum(dim=2)
+        if pairwise or float(G.abs().max()) < limit:
+            break
+    vc = vz[idx].transpose(1, 2)  # [n, H, C, V]
+    bc = bz[idx].transpose(1, 2)  # [n, H, C]
+    a_kk, a_qk = _gated_products(qc, kc, G, limit, pairwise)
+    a_kk = a_kk * bc[..., None]
+    eG = torch.exp(G)
+    rhs = bc[..., None] * torch.cat([kc * eG, vc], dim=-1)
+    eye = torch.eye(C, dtype=dt)
+    wu = torch.linalg.solve_triangular(eye + a_kk, rhs, upper=False, unitriangular=True)
+    wk, u = wu[..., :K], wu[..., K:].clone()
+    qg = qc * eG
+    G_end = G[:, :, -1:, :]  # [n, H, 1, K]: the padding keeps it at the last real token's value
+    kd = kc * torch.exp(G_end - G)
+    decay_end = torch.exp(G_end)
+    slots = torch.tensor([kb.slots[b] for b in order])
+    init = torch.tensor([kb.init[b] for b in order])
+    S = torch.where(init[:, None, None, None], state_pool[slots], 0)  # [B, H, V, K]
+    entry = torch.empty(idx.shape[0], H, Vd, K, dtype=dt)
+    oc = torch.empty(idx.shape[0], H, C, Vd, dtype=dt)
+    for c0, nrun in spans:
+        sl = slice(c0, c0 + nrun)
+        S_run = S[:nrun]
+        entry[sl] = S_run
+        St = S_run.transpose(-1, -2)  # [A, H, K, V]
+        u[sl] -= wk[sl] @ St
+        oc[sl] = qg[sl] @ St + a_qk[sl] @ u[sl]
+        S[:nrun] = S_run * decay_end[sl] + u[sl].transpose(-1, -2) @ kd[sl]
+    o[idx.reshape(-1)] = oc.transpose(1, 2).reshape(-1, H, Vd)
+    state_pool[slots] = S
+    if kb.ckpts:  # the state after `off` tokens: from the entry state of the chunk that holds token off-1
+        chunk_of = {}
+        for j, (c0, nrun) in enumerate(spans):
+            for r in range(nrun):
+                chunk_of[(order[r], j)] = c0 + r
+        for b in sorted(kb.ckpts):
+            for off, slot in kb.ckpts[b]:
+                j, n = (off - 1) // C, off - (off - 1) // C * C
+                c = chunk_of[(b, j)]
+                Gn = G[c, :, n - 1:n, :]
+                kdn = kc[c, :, :n] * torch.exp(Gn - G[c, :, :n])
+                state_pool[slot] = entry[c] * torch.exp(Gn) + u[c, :, :n].transpose(-1, -2) @ kdn
+    return o[:T].to(v.dtype)

@@ -1,0 +1,85 @@
+"""Routed experts on the CPU: grouped by expert in one pass, or dense over every expert at decode sizes.
+
+Same contract as `k3serve.kernels.reference.moe_experts` (see it). Two exact evaluation orders:
+
+* grouped: the (token, slot) pairs sorted by expert once (one argsort, one gather of the inputs), then one
+  GEMM pair per active expert on a contiguous slice, one weighted `index_add_` at the end (the reference
+  does a `nonzero`, a gather and an `index_add_` per expert);
+* dense: every expert on every token in three batched products (gate|up for all experts as one GEMM, the
+  down projections as one bmm, the routing weights — zero for unchosen experts — as one more), chosen when
+  the experts nobody routes to cost fewer weight bytes than the grouped loop's fixed cost per active expert
+  (`LOOP_COST_BYTES`): a small model's decode step, never a large model's.
+
+Packed (MXFP4) or non-float32/float64 weights go to the reference op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import moe_experts as _reference
+from ..reference._varlen import compute_dtype
+from ..reference.activations import silu_and_mul, situ_and_mul
+
+LOOP_COST_BYTES = 256 * 1024
+"""The grouped loop's fixed cost per active expert (about ten small ops), as the weight bytes that would be
+read in the same time at memory bandwidth; the dense form is used when (unrouted experts) x (bytes per
+expert) is at most (active experts) x this."""
+
+
+def moe_experts(
+    z: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13: torch.Tensor | None = None,
+    w2: torch.Tensor | None = None,
+    w13_packed: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_packed: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    activation: str = "situ",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float | None = None,
+) -> torch.Tensor:
+    dt = compute_dtype(z)
+    if (w13 is None or w2 is None or z.dim() != 2 or w13.dtype != dt or w2.dtype != dt or z.dtype != dt
+            or activation not in ("situ", "silu") or topk_ids.shape != topk_weights.shape):
+        return _reference(z, topk_weights, topk_ids, w13=w13, w2=w2, w13_packed=w13_packed, w13_scale=w13_scale,
+                          w2_packed=w2_packed, w2_scale=w2_scale, activation=activation, situ_beta=situ_beta,
+                          situ_linear_beta=situ_linear_beta)
+
+    def act(h: torch.Tensor) -> torch.Tensor:
+        if activation == "situ":
+            return situ_and_mul(h, situ_beta, situ_linear_beta)
+        return silu_and_mul(h)
+
+    T, k = topk_ids.shape
+    E, two_i, d_in = w13.shape
+    d_out = w2.shape[1]
+    ids = topk_ids.to(torch.long)
+    valid = ids >= 0
+    if T == 0 or not bool(valid.any()):
+        return torch.zeros(T, d_out, dtype=dt)
+    if int(ids.max()) >= E:
+        raise IndexError(f"moe_experts: expert id {int(ids.max())} out of range for {E} experts")
+    counts = torch.bincount(ids[valid], minlength=E)
+    active = int((counts > 0).sum())
+    wts = topk_weights.to(dt)
+    bytes_per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    if (E - active) * bytes_per_expert <= active * LOOP_COST_BYTES:
+        h = act((z @ w13.reshape(E * two_i, d_in).t()).view(T, E, two_i))  # [T, E, I]
+        y = torch.bmm(h.transpose(0, 1), w2.transpose(1, 2))  # [E, T, d_out]
+        dense_w = torch.zeros(T, E, dtype=dt).scatter_add_(1, ids.clamp(min=0), torch.where(valid, wts, 0))
+        return torch.bmm(dense_w.unsqueeze(1), y.transpose(0, 1)).squeeze(1)  # [T, d_out]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)[int((~valid).sum()):]  # by expert; ignored (negative) ids first
+    tok = order // k
+    x = z.index_select(0, tok)
+    ys = torch.empty(order.numel(), d_out, dtype=dt)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            torch.mm(act(x[start:start + c] @ w13[e].t()), w2[e].t(), out=ys[start:start + c])
+            start += c
+    return torch.zeros(T, d_out, dtype=dt).index_add_(0, tok, ys * wts.reshape(-1)[order, None])

@@ -1,0 +1,188 @@
+"""The batched CPU ops (k3serve/kernels/cpu/) against the reference ops they stand in for.
+
+Random ragged batches with recycled garbage in the pools, padded rows, checkpoints, strong decays (the
+pairwise fallback of the chunked form), both MoE evaluation orders; float64 to 1e-10, float32 to 1e-4.
+`ops` sends CPU tensors to these forms; K3SERVE_KERNELS=reference sends them to the reference.
+"""
+
+import random
+
+import pytest
+import torch
+
+from k3serve.kernels import cpu, ops, reference
+
+torch.set_num_threads(1)
+F64 = torch.float64
+
+
+def _close(got, want, dtype):
+    tol = 1e-10 if dtype == F64 else 1e-4
+    scale = max(1.0, float(want.abs().max()))
+    err = float((got.to(F64) - want.to(F64)).abs().max()) / scale
+    assert err < tol, f"max error {err:.2e}"
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """The fast forms must not hand these inputs to the reference (that would test nothing)."""
+    def refuse(*a, **k):
+        raise AssertionError("fell back to the reference op")
+    for mod, name in ((cpu.kda, "_ref_chunked"), (cpu.kda, "_ref_decode"), (cpu.moe, "_reference")):
+        monkeypatch.setattr(mod, name, refuse)
+
+
+def _kda_case(seed, dtype, lower_bound=-5.0, strong=False):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    H, K, V = rng.choice([(2, 8, 6), (3, 16, 16), (1, 4, 8)])
+    B = rng.randint(1, 6)
+    lens = [rng.choice([0, 1, 2, rng.randint(3, 150)]) for _ in range(B)]
+    lens[0] = max(lens[0], 1)
+    T = sum(lens)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()))
+    slots = rng.sample(range(2 * B + 4), B)
+    if B > 1 and rng.random() < 0.5:
+        slots[rng.randrange(B)] = -1  # a padded sequence
+    init = [rng.random() < 0.6 for _ in range(B)]
+    ckpt = []
+    free = [s for s in range(2 * B + 4, 2 * B + 12)]
+    for b in range(B):
+        if slots[b] >= 0 and lens[b] and rng.random() < 0.6:
+            for off in sorted(rng.sample(range(1, lens[b] + 1), min(2, lens[b]))):
+                ckpt.append((b, off, free.pop()))
+    raw_g = torch.randn(T, H, K, generator=gen, dtype=F64) * (4 if strong else 1)
+    A_log = torch.randn(H, generator=gen, dtype=F64) * 0.5 + (2 if strong else 0)
+    dt_bias = torch.randn(H * K, generator=gen, dtype=F64)
+    g = reference.kda_gate(raw_g, A_log, dt_bias, None if strong else lower_bound)
+    t = dict(
+        q=torch.randn(T, H, K, generator=gen, dtype=F64), k=torch.randn(T, H, K, generator=gen, dtype=F64),
+        v=torch.randn(T, H, V, generator=gen, dtype=F64), g=g,
+        beta=torch.sigmoid(torch.randn(T, H, generator=gen, dtype=F64)))
+    t = {n: x.to(dtype) for n, x in t.items()}
+    pool = (torch.randn(2 * B + 12, H, V, K, generator=gen, dtype=F64) * 3).to(dtype)
+    kw = dict(state_indices=torch.tensor(slots), cu_seqlens=cu, has_initial_state=torch.tensor(init))
+    if ckpt:
+        kw.update(checkpoint_seq=torch.tensor([c[0] for c in ckpt]),
+                  checkpoint_offsets=torch.tensor([c[1] for c in ckpt]),
+                  checkpoint_slots=torch.tensor([c[2] for c in ckpt]))
+    return t, pool, kw
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("seed", range(6))
+def test_kda_chunked_equals_reference(seed, dtype, no_fallback):
+    t, pool, kw = _kda_case(seed, dtype, strong=seed % 3 == 2)
+    p_ref, p_cpu = pool.clone(), pool.clone()
+    want = reference.kda_chunked(t["q"], t["k"], t["v"], t["g"], t["beta"], p_ref, **kw)
+    got = cpu.kda_chunked(t["q"], t["k"], t["v"], t["g"], t["beta"], p_cpu, **kw)
+    _close(got, want, dtype)
+    _close(p_cpu, p_ref, dtype)  # final states, checkpoints and untouched slots
+
+
+def test_kda_chunked_strong_decay_takes_the_pairwise_form_and_stays_finite(no_fallback, monkeypatch):
+    forms = []
+    real = cpu.kda._gated_products
+    monkeypatch.setattr(cpu.kda, "_gated_products", lambda *a: forms.append(a[-1]) or real(*a))
+    T, H, K = 130, 2, 8
+    g = torch.full((T, H, K), -3.0, dtype=torch.float32)  # |G| reaches 192 inside a 64-chunk, 48 in a 16-chunk
+    g[:, :, 0] = -30.0  # and 480 / 480: only the pairwise form is safe
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+    beta = torch.rand(T, H, generator=gen)
+    kw = dict(state_indices=torch.tensor([0]), cu_seqlens=torch.tensor([0, T]), has_initial_state=torch.tensor([False]))
+    p_ref, p_cpu = torch.zeros(1, H, K, K), torch.zeros(1, H, K, K)
+    want = reference.kda_chunked(q, k, v, g, beta, p_ref, **kw)
+    got = cpu.kda_chunked(q, k, v, g, beta, p_cpu, **kw)
+    assert forms == [True]
+    assert torch.isfinite(got).all() and torch.isfinite(p_cpu).all()
+    _close(got, want, torch.float32)
+    _close(p_cpu, p_ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("seed", range(4))
+def test_kda_decode_equals_reference(seed, dtype, no_fallback):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    N, h, K, V, W = rng.randint(1, 9), rng.choice([1, 2, 4]), rng.choice([4, 8]), rng.choice([4, 8]), 4
+    C = 2 * h * K + h * V
+    slots = rng.sample(range(N + 5), N)
+    if N > 1:
+        slots[rng.randrange(N)] = -1
+    args = dict(
+        qkv=torch.randn(N, C, generator=gen, dtype=F64), conv_weight=torch.randn(C, 1, W, generator=gen, dtype=F64),
+        conv_states=torch.randn(N + 5, C, W - 1, generator=gen, dtype=F64),
+        raw_g=torch.randn(N, h, K, generator=gen, dtype=F64), A_log=torch.randn(h, generator=gen, dtype=F64),
+        dt_bias=torch.randn(h * K, generator=gen, dtype=F64), beta_logit=torch.randn(N, h, generator=gen, dtype=F64),
+        gate=torch.randn(N, h * V, generator=gen, dtype=F64), o_norm_weight=torch.randn(V, generator=gen, dtype=F64),
+        state_pool=torch.randn(N + 5, h, V, K, generator=gen, dtype=F64))
+    args = {n: x.to(dtype) for n, x in args.items()}
+    idx = torch.tensor(slots)
+    init = torch.tensor([rng.random() < 0.7 for _ in range(N)])
+    ref_args = {n: (x.clone() if n in ("conv_states", "state_pool") else x) for n, x in args.items()}
+    want = reference.kda_decode(**ref_args, state_indices=idx, has_initial_state=init, lower_bound=-5.0, eps=1e-6)
+    got = cpu.kda_decode(**args, state_indices=idx, has_initial_state=init, lower_bound=-5.0, eps=1e-6)
+    _close(got, want, dtype)
+    _close(args["state_pool"], ref_args["state_pool"], dtype)
+    _close(args["conv_states"], ref_args["conv_states"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("seed", range(4))
+def test_mla_paged_attention_equals_reference(seed, dtype):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    Hh, L, R, bs = rng.choice([1, 4]), rng.choice([8, 16]), 4, rng.choice([4, 16])
+    B = rng.randint(2, 8)
+    nq = [1 if rng.random() < 0.7 else rng.randint(2, 9) for _ in range(B)]
+    ctx = [rng.randint(q, 60) for q in nq]
+    nblocks = 1 + sum(-(-c // bs) for c in ctx)
+    cache = torch.randn(nblocks, bs, L + R, generator=gen, dtype=F64).to(dtype)
+    cache[0] = float("nan")  # never-allocated page 0 (padding in the tables) must not reach the output
+    maxb = max(-(-c // bs) for c in ctx) + 2
+    tables = torch.zeros(B, maxb, dtype=torch.int32)
+    free = list(range(1, nblocks))
+    rng.shuffle(free)
+    for b, c in enumerate(ctx):
+        for i in range(-(-c // bs)):
+            tables[b, i] = free.pop()
+    T = sum(nq)
+    q_lat = torch.randn(T, Hh, L, generator=gen, dtype=F64).to(dtype)
+    q_pe = torch.randn(T, Hh, R, generator=gen, dtype=F64).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(nq).cumsum(0).tolist())
+    a = (q_lat, q_pe, cache, tables, torch.tensor(ctx), cu, 0.3)
+    got = cpu.mla_paged_attention(*a, kv_lora_rank=L)
+    assert torch.isfinite(got).all()
+    _close(got, reference.mla_paged_attention(*a, kv_lora_rank=L), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("T,E,I,D", [(3, 8, 4, 8), (40, 16, 8, 16), (5, 64, 512, 256)])
+def test_moe_experts_equal_reference_both_orders(T, E, I, D, dtype, no_fallback):
+    gen = torch.Generator().manual_seed(T + E)
+    z = torch.randn(T, D, generator=gen, dtype=F64).to(dtype)
+    w13 = torch.randn(E, 2 * I, D, generator=gen, dtype=F64).to(dtype) / D ** 0.5
+    w2 = torch.randn(E, D + 3, I, generator=gen, dtype=F64).to(dtype) / I ** 0.5
+    ids = torch.stack([torch.randperm(E, generator=gen)[:3] for _ in range(T)])
+    ids[0, 2] = -1  # ignored
+    wts = torch.rand(T, 3, generator=gen, dtype=F64).to(dtype)
+    for act in ("situ", "silu"):
+        kw = dict(w13=w13, w2=w2, activation=act, situ_beta=3.0, situ_linear_beta=6.0)
+        want = reference.moe_experts(z, wts, ids, **kw)
+        _close(cpu.moe_experts(z, wts, ids, **kw), want, dtype)
+        for cost in (0, 1 << 40):  # force the grouped loop, then the dense form
+            cpu.moe.LOOP_COST_BYTES, old = cost, cpu.moe.LOOP_COST_BYTES
+            try:
+                _close(cpu.moe_experts(z, wts, ids, **kw), want, dtype)
+            finally:
+                cpu.moe.LOOP_COST_BYTES = old
+
+
+def test_ops_dispatch_cpu_forms_and_reference_switch(monkeypatch):
+    z = torch.randn(2, 4)
+    assert ops._impl("moe_experts", z) is cpu.moe_experts
+    assert ops._impl("kda_chunked", z) is cpu.kda_chunked
+    assert ops._impl("rms_norm", z) is reference.rms_norm  # no CPU form: the reference
+    monkeypatch.setenv("K3SERVE_KERNELS", "reference")
+    assert ops._impl("moe_experts", z) is reference.moe_experts
