@@ -15,6 +15,8 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -153,6 +155,17 @@ def test_killed_rank_fails_the_engine_within_the_bound(tmp_path_factory):
     engine = llm.engine
     try:
         assert llm.generate([[3, 4, 5, 6]], _sp())[0].finished
+        long = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        engine.add_request("x", [1, 2, 3], long)
+        engine.add_request("y", [4, 5, 6], long)  # rank 0 has x: y goes to rank 1
+        assert (engine.owner["x"], engine.owner["y"]) == (0, 1)
+        engine.step()
+        (fin,) = engine.abort_request(["y", "unknown"])  # to the owning rank; unknown ids are ignored
+        assert fin.request_id == "y" and fin.outputs[0].finish_reason == "abort"
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+        assert outs[0].request_id == "x" and len(outs[0].outputs[0].token_ids) == 8
+        assert [(s["running"], s["waiting"]) for s in engine.rank_stats()] == [(0, 0), (0, 0)]
         (_rank, proc, _conn), = engine.peers
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -164,3 +177,40 @@ def test_killed_rank_fails_the_engine_within_the_bound(tmp_path_factory):
     finally:
         engine.close()
     assert not multiprocessing.active_children()
+
+
+LEADER = """
+import os, sys, time
+from k3serve.workers.llm import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], data_parallel_size=2, enable_expert_parallel=True, dtype="float64",
+              skip_tokenizer_init=True)
+    print(llm.engine.peers[0][1].pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_rank_exits_when_its_leader_is_killed(tmp_path_factory):
+    d = random_model_dir(tmp_path_factory.getbasetemp(), 10)
+    leader = subprocess.Popen([sys.executable, "-c", LEADER, str(d)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONSAFEPATH="1"))
+    try:
+        rank_pid = int(leader.stdout.readline())
+        leader.kill()
+        leader.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(rank_pid, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{rank_pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    break
+            time.sleep(0.1)
+        else:
+            os.kill(rank_pid, signal.SIGKILL)
+            raise AssertionError("the rank outlived its leader by 10 s")
+    finally:
+        if leader.poll() is None:
+            leader.kill()

@@ -10,7 +10,11 @@
                  stream: reduce-scatter after o_proj, MoE by all-to-all, all-gather before QKV)
     launcher.py  the process model: rank 0 runs the scheduler and the sampler, ranks 1..N-1 are spawned
                  processes that receive each step's SchedulerOutput over a pipe and run the model runner
+    dp_model.py  DEPForwardModel: a data-parallel rank's forward (attention TP=1, routed experts by all-to-all)
+    dp_engine.py the DEP group: check_dp_layout, each rank a whole engine (DEPModelRunner: one forward pass
+                 per step, a dummy one when idle), the spawned ranks' message loop
+    dp_front.py  DPEngine: the group as one engine (spreading by load and prefix hit, KV-event merging)
 
 The single-rank engine does not import this package (workers/engine/llm_engine.py imports it only when
-tensor_parallel_size > 1).
+tensor_parallel_size or data_parallel_size > 1).
 """
