@@ -171,6 +171,9 @@ def main() -> int:
                          "graphs-cublas: graphs with every projection on cuBLAS (the skinny GEMM off)")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode steps")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engine's token budget per step (default: the engine's default). With B x prompt above it "
+                         "the prefill takes several steps and early requests decode in mixed, eagerly run steps")
     ap.add_argument("--breakdown", action="store_true",
                     help="graph replay alone, kernel count, and the host's phases of a decode step")
     args = ap.parse_args()
@@ -189,7 +192,8 @@ def main() -> int:
         for mode in modes:
             triton_ops.SKINNY_GEMM = mode != "graphs-cublas"
             llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
-                      max_model_len=args.prompt + args.steps + 8, enforce_eager=mode == "eager")
+                      max_model_len=args.prompt + args.steps + 8, enforce_eager=mode == "eager",
+                      **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}))
             weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
             for B in args.batches:
                 prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]

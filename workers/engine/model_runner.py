@@ -89,6 +89,75 @@ class BlockTables:
         return np.fromiter((row_of[c.request_id] for c in chunks), dtype=np.int64, count=len(chunks))
 
 
+class DecodeStaging:
+    """The inputs of a fixed-shape decode batch packed into ONE byte buffer, so a decode step makes one host->device
+    copy (from pinned memory on CUDA, asynchronous) instead of ten pageable ones.
+
+    For a batch of `size` rows the buffer holds, in this order: int64 input ids, positions, cu_seqlens (size+1),
+    seq_lens, one slot mapping per MLA group, one state-slot row per KDA group, logits indices; then the
+    has-initial-state flags (bool, padded to 8 bytes); then one int32 [size, max_blocks] block table per MLA group.
+    Every size starts at offset 0 of the same device buffer, so a captured graph of any size reads fixed addresses
+    (only one batch is in flight at a time). On the CPU the host buffer is the device buffer (no copy)."""
+
+    def __init__(self, num_mla: int, num_kda: int, max_size: int, max_blocks: int, device: torch.device):
+        self.num_mla, self.num_kda, self.max_blocks = num_mla, num_kda, max_blocks
+        nbytes = self.nbytes(max_size)
+        self.device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        if device.type == "cuda":  # two pinned host buffers, each reused only after its last copy has run
+            self.host_bufs = [torch.zeros(nbytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
+            self.copied = [None, None]
+        else:
+            self.host_bufs, self.copied = [self.device_buf], [None]
+        self.turn = 0
+
+    def _n64(self, size: int) -> int:
+        return 5 * size + 1 + (self.num_mla + self.num_kda) * size
+
+    def nbytes(self, size: int) -> int:
+        return 8 * self._n64(size) + -(-size // 8) * 8 + 4 * self.num_mla * size * self.max_blocks
+
+    def views(self, buf: torch.Tensor, size: int) -> dict:
+        """Typed views of `buf` for a batch of `size` rows (see the class docstring for the layout)."""
+        n64 = self._n64(size)
+        i64 = buf[: 8 * n64].view(torch.int64)
+        o = 0
+
+        def take(k: int) -> torch.Tensor:
+            nonlocal o
+            o += k
+            return i64[o - k: o]
+
+        v = dict(input_ids=take(size), positions=take(size), cu_seqlens=take(size + 1), seq_lens=take(size),
+                 slot_mapping=[take(size) for _ in range(self.num_mla)],
+                 state_indices=[take(size) for _ in range(self.num_kda)], logits_indices=take(size))
+        b0 = 8 * n64
+        v["has_initial_state"] = buf[b0: b0 + size].view(torch.bool)
+        t0 = b0 + -(-size // 8) * 8
+        w = size * self.max_blocks
+        i32 = buf[t0: t0 + 4 * w * self.num_mla].view(torch.int32)
+        v["block_tables"] = [i32[g * w:(g + 1) * w].view(size, self.max_blocks) for g in range(self.num_mla)]
+        return v
+
+    def host(self, size: int) -> tuple[dict, int]:
+        """Numpy views of the next host buffer (waits for that buffer's previous copy, normally long done)."""
+        t = self.turn
+        if self.copied[t] is not None:
+            self.copied[t].synchronize()
+        v = self.views(self.host_bufs[t], size)
+        return {k: ([a.numpy() for a in x] if isinstance(x, list) else x.numpy()) for k, x in v.items()}, t
+
+    def send(self, t: int, size: int) -> dict:
+        """Copy host buffer `t` (a batch of `size` rows) to the device; returns the device views."""
+        if self.host_bufs[t] is not self.device_buf:
+            nb = self.nbytes(size)
+            self.device_buf[:nb].copy_(self.host_bufs[t][:nb], non_blocking=True)
+            ev = self.copied[t] or torch.cuda.Event()
+            ev.record()
+            self.copied[t] = ev
+            self.turn = 1 - t
+        return self.views(self.device_buf, size)
+
+
 class InputPreparer:
     """SchedulerOutput -> ForwardBatch (views of the persistent buffers)."""
 
@@ -99,6 +168,8 @@ class InputPreparer:
         self.max_blocks = math.ceil(max_model_len / layout.block_size)
         self.buf = InputBuffers(layout, max_num_batched_tokens, max_num_seqs, self.max_blocks, self.device)
         self.tables = BlockTables(len(layout.mla_groups), len(layout.kda_groups), max_num_seqs, self.max_blocks)
+        self._decode: DecodeStaging | None = None  # made on the first decode batch (its size bounds the rest)
+        self._decode_max = max_num_seqs
 
     def apply(self, sched: SchedulerOutput) -> None:
         """Bring the block tables up to date with this step's deltas (call once per step)."""
@@ -109,49 +180,45 @@ class InputPreparer:
         time, full-width block tables). Rows past the real ones are padding: state slots -1 (the
         KDA ops skip them), cache slots -1 (not written), one context token read from the never-
         allocated null block 0. `sched=None` gives an all-padding batch (graph capture)."""
+        if self._decode is None:
+            self._decode = DecodeStaging(len(self.layout.mla_groups), len(self.layout.kda_groups),
+                                         self._decode_max, self.max_blocks, self.device)
+        if size > self._decode_max:
+            raise ValueError(f"a decode batch of {size} rows exceeds max_num_seqs={self._decode_max}")
         chunks = sched.chunks if sched is not None else []
         n = len(chunks)
-        buf, B, tb = self.buf, self.layout.block_size, self.tables
+        B, tb = self.layout.block_size, self.tables
         rows = tb.rows(chunks)
-        pos = np.zeros(size, dtype=np.int64)
+        h, turn = self._decode.host(size)
+        pos = h["positions"]
         pos[:n] = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
-        ids = np.zeros(size, dtype=np.int64)
+        pos[n:] = 0
+        ids = h["input_ids"]
         ids[:n] = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n)
-        ar = np.arange(size + 1, dtype=np.int64)
-
-        def put(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
-            out = dst[: len(src)]
-            out.copy_(torch.from_numpy(src), non_blocking=True)
-            return out
-
-        input_ids = put(buf.input_ids, ids)
-        pos_t = put(buf.positions, pos)
-        cu_t = put(buf.cu_seqlens, ar)
-        seq = np.ones(size, dtype=np.int64)
+        ids[n:] = 0
+        h["cu_seqlens"][:] = np.arange(size + 1, dtype=np.int64)
+        h["logits_indices"][:] = h["cu_seqlens"][:size]
+        seq = h["seq_lens"]
         seq[:n] = pos[:n] + 1
-        seq_lens = put(buf.seq_lens, seq)
-        init = np.zeros(size, dtype=bool)
+        seq[n:] = 1
+        init = h["has_initial_state"]
         init[:n] = pos[:n] > 0
-        has_init = buf.has_initial_state[:size]
-        has_init.copy_(torch.from_numpy(init))
-        block_tables, slot_mapping = [], []
+        init[n:] = False
         for gi in range(len(self.layout.mla_groups)):
-            bt = np.zeros((size, self.max_blocks), dtype=np.int32)
+            bt = h["block_tables"][gi]
             bt[:n] = tb.mla[gi][rows]
-            slots = np.full(size, -1, dtype=np.int64)
+            bt[n:] = 0
+            slots = h["slot_mapping"][gi]
             slots[:n] = bt[np.arange(n), pos[:n] // B].astype(np.int64) * B + pos[:n] % B
-            bt_t = buf.block_tables[gi][:size]
-            bt_t.copy_(torch.from_numpy(bt))
-            block_tables.append(bt_t)
-            slot_mapping.append(put(buf.slot_mapping[gi], slots))
-        state_indices = []
+            slots[n:] = -1
         for gi in range(len(self.layout.kda_groups)):
-            si = np.full(size, -1, dtype=np.int64)
+            si = h["state_indices"][gi]
             si[:n] = tb.kda[gi][rows]
-            state_indices.append(put(buf.state_indices[gi], si))
-        logits_idx = put(buf.logits_indices, ar[:size])
-        return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
-                            has_init, None, None, None, logits_idx, is_decode=True)
+            si[n:] = -1
+        d = self._decode.send(turn, size)
+        return ForwardBatch(d["input_ids"], d["positions"], d["cu_seqlens"], d["seq_lens"], d["block_tables"],
+                            d["slot_mapping"], d["state_indices"], d["has_initial_state"], None, None, None,
+                            d["logits_indices"], is_decode=True)
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         chunks = sched.chunks
