@@ -102,7 +102,7 @@ class _PhaseTimer:
         self._undo.clear()
 
 
-def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float) -> None:
+def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float, top_kernels: int = 25) -> None:
     """Prints where a graph-replayed decode step of batch B goes (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -129,11 +129,17 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float) -> None:
             g.graph.replay()
         torch.cuda.synchronize()
     kt, kn = 0.0, 0
+    per: dict[str, list[float]] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            kt += getattr(ev, "device_time_total", None) or ev.cuda_time_total
+            t = getattr(ev, "device_time_total", None) or ev.cuda_time_total
+            kt += t
             kn += 1
+            e = per.setdefault(ev.name, [0.0, 0])
+            e[0] += t
+            e[1] += 1
     kt, kn = kt / 5, kn / 5
+    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:top_kernels]
     # (3) the host's phases of real steps
     pt = _PhaseTimer()
     pt.wrap(eng, "step", "step")
@@ -156,9 +162,11 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float) -> None:
           f"{replay_us:.0f} µs = kernels {kt:.0f} µs ({kn:.0f} kernels) + in-graph gaps {replay_us - kt:.0f} µs "
           f"({(replay_us - kt) / max(kn, 1):.2f} µs per kernel); outside the graph {step_us - replay_us:.0f} µs")
     # one call of each phase per step: the median over the steps leaves out the prefill step
-    per = {k: 1e6 * statistics.median(v) for k, v in pt.t.items()}
+    phases = {k: 1e6 * statistics.median(v) for k, v in pt.t.items()}
     print(f"#   host phases, median µs per step over {len(pt.t['step'])} steps ({nrep} graph replays): "
-          + ", ".join(f"{k} {v:.0f}" for k, v in per.items()), flush=True)
+          + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()), flush=True)
+    for name, (t, c) in top:
+        print(f"#   {t / 5:8.1f} µs  x{c / 5:5.1f}  {name[:100]}")
 
 
 def main() -> int:
