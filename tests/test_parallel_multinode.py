@@ -218,6 +218,14 @@ def test_leader_without_its_node_fails_within_its_timeout(tp2_model, monkeypatch
     with pytest.raises(RendezvousError, match=rf"ranks \[1\] \(of nodes \[1\]\) never joined the group at "
                                               rf"127\.0\.0\.1:{port}"):
         LLM(str(tp2_model), tensor_parallel_size=2, nnodes=2, master_port=port, **OPTS)
+    # the serving leader: the same as one line, exit 1
+    p = subprocess.run(_cli("--model", str(tp2_model), "--tensor-parallel-size", "2", "--nnodes", "2",
+                            "--master-port", str(port), "--grpc-port", "0", "--metrics-port", "0",
+                            "--skip-tokenizer-init"), capture_output=True, text=True, timeout=120,
+                       env=dict(ENV, K3SERVE_RENDEZVOUS_TIMEOUT_S="2"))
+    assert p.returncode == 1 and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    assert f"k3serve: error: rendezvous: ranks [1] (of nodes [1]) never joined the group at 127.0.0.1:{port}" \
+        in p.stdout + p.stderr
 
 
 def test_layouts_that_cannot_span_nodes_are_one_line_exit_2(tp2_model):
@@ -236,7 +244,8 @@ def test_operator_simulate_runs_a_rendered_two_node_group(tmp_path, tiny_model_d
     """The operator's multi-node rendering for real: a decode pool of TP=2 on 1-GPU nodes renders one
     StatefulSet of 2 pods per group (operator/render_workers.py); `k3serve operator simulate` runs them
     (pod IPs 127.100.x.N, the leader's headless DNS name resolved to its pod) and the router's gateway
-    serves greedy completions equal to the offline TP=2 engine on the same checkpoint."""
+    serves greedy completions equal to the offline TP=2 engine on the same checkpoint; stopping the pods
+    together stops the group cleanly (no lost-rank failure on either side)."""
     import openai
     import yaml
     from _k8s_sim import start_simulation
@@ -261,6 +270,9 @@ def test_operator_simulate_runs_a_rendered_two_node_group(tmp_path, tiny_model_d
                                       extra_body={"ignore_eos": True})
     finally:
         sim.stop()
+    # the pods are stopped together: the node gives the leader time to stop the group, so nobody sees a lost rank
+    leader_log, node_log = sim.log("tiny-decode-0-0"), sim.log("tiny-decode-0-1")
+    assert "the engine failed" not in leader_log and "exited (status" not in node_log, leader_log + node_log
     offline = LLM(str(tiny_model_dir), max_model_len=512, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
         ref = offline.generate("The cache keeps", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]

@@ -22,8 +22,9 @@ import torch.distributed as dist
 LOOPBACK = "127.0.0.1"
 
 
-class RendezvousError(RuntimeError):
-    """The group could not form: the leader's address cannot be bound or reached in time (names it)."""
+class RendezvousError(ConnectionError):
+    """The group could not form: the leader's address cannot be bound or reached in time (names it).
+    A ConnectionError (an OSError), so the serving commands report it as one line (workers/engine_cli.py)."""
 
 
 def _listen(host: str, port: int) -> socket.socket:

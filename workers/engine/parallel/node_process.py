@@ -6,7 +6,8 @@ for the layout), each of which connects to the leader, gets its RankSpec there, 
 executes the steps rank 0 sends. The node process serves `/health` and `/ready` on `--metrics-port`
 (200 while all its ranks live and have loaded, else 503) and exits when one of them exits: 0 when the
 leader stopped the group, 1 otherwise (the leader gone or silent, a rank that failed), after stopping
-the others. SIGTERM / SIGINT stop the ranks and exit 0.
+the others. SIGTERM / SIGINT (a group's pods are stopped together) give the leader STOP_GRACE_S to stop
+the group itself, so the leader sees no lost rank; then the ranks are killed; the exit status is 0.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from k3serve.workers.engine.parallel.nodes import RENDEZVOUS_TIMEOUT_S, NodeLayo
 
 log = logging.getLogger(__name__)
 PROG = "k3serve worker"
+STOP_GRACE_S = 10.0  # after SIGTERM, how long the ranks wait for the leader to stop the group
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -43,6 +45,8 @@ def remote_rank_main(rank: int, nodes: NodeLayout, bind_host: str, notify, paren
     logging.basicConfig(level=getattr(logging, str(log_level).upper(), logging.WARNING),
                         format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the node process stops its ranks (a pod's SIGTERM may
+        signal.signal(sig, signal.SIG_IGN)     # reach its whole process group)
     try:
         _store, link = connect_to_leader(nodes, rank, RENDEZVOUS_TIMEOUT_S, notify, source_host=bind_host)
         spec = link.recv()
@@ -107,8 +111,13 @@ def run_node(args, msock) -> int:
     mhost, mport = msock.getsockname()[:2]
     announced = False
     status = 0
+    stop_by = None  # after SIGTERM: when the ranks are stopped if the leader has not stopped them
     try:
-        while not stop.is_set():
+        while True:
+            if stop.is_set() and stop_by is None:
+                stop_by = time.monotonic() + STOP_GRACE_S
+            if stop_by is not None and time.monotonic() >= stop_by:
+                break
             ready = multiprocessing.connection.wait([p.sentinel for _r, p, _c in ranks]
                                                     + [c for _r, _p, c in ranks if not c.closed], timeout=0.2)
             for rank, _proc, conn in ranks:
@@ -125,20 +134,17 @@ def run_node(args, msock) -> int:
             dead = [(r, p) for r, p, _c in ranks if p.exitcode is not None]
             if dead:
                 rank, proc = dead[0]
-                status = 0 if proc.exitcode == 0 else 1
+                status = 0 if proc.exitcode == 0 or stop.is_set() else 1
                 if status:
                     print(f"{PROG}: node {nodes.node_rank}: rank {rank} exited (status {proc.exitcode}); "
                           "stopping this node", flush=True)
                 break
     finally:
-        deadline = time.monotonic() + 5.0
-        for _r, proc, _c in ranks:
-            if proc.exitcode is None and (status or stop.is_set()):
-                proc.terminate()
-        for _r, proc, _c in ranks:
-            proc.join(max(0.1, deadline - time.monotonic()))
+        deadline = time.monotonic() + (0.0 if status or stop.is_set() else 5.0)
+        for _r, proc, _c in ranks:  # the others exit 0 by themselves when the leader stopped the group
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.exitcode is None:
-                proc.kill()
+                proc.kill()  # ranks ignore SIGTERM (remote_rank_main)
                 proc.join(5.0)
         server.shutdown()
         server.server_close()
