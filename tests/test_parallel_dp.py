@@ -157,8 +157,12 @@ def test_killed_rank_fails_the_engine_within_the_bound(tmp_path_factory):
         assert llm.generate([[3, 4, 5, 6]], _sp())[0].finished
         long = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         engine.add_request("x", [1, 2, 3], long)
-        engine.add_request("y", [4, 5, 6], long)  # rank 0 has x: y goes to rank 1
+        engine.add_request("y", [4, 5], long)  # rank 0 has x: y goes to rank 1
         assert (engine.owner["x"], engine.owner["y"]) == (0, 1)
+        assert engine.choose_rank([1, 99999], None) == 1  # the less loaded rank now
+        with pytest.raises(ValueError, match=r"token id 99999 is outside the vocabulary"):  # refused by rank 1
+            engine.add_request("z", [1, 99999], long)
+        assert "z" not in engine.owner
         engine.step()
         (fin,) = engine.abort_request(["y", "unknown"])  # to the owning rank; unknown ids are ignored
         assert fin.request_id == "y" and fin.outputs[0].finish_reason == "abort"

@@ -275,7 +275,8 @@ def dp_rank_main(rank: int, spec: RankArgs, conn) -> None:
                 else:
                     raise ValueError(f"unknown message {op!r}")
             except Exception as e:  # noqa: BLE001 - e.g. a bad request: the front raises it to its caller
-                conn.send(("err", (type(e).__name__, str(e))))
+                conn.send(("err", (isinstance(e, ValueError), f"{e}" if isinstance(e, ValueError)
+                                   else f"{type(e).__name__}: {e}")))
                 continue
             conn.send(("ok", result))
     except BaseException as e:  # noqa: BLE001 - reported to the leader (while starting) and in the exit status

@@ -136,8 +136,8 @@ class DPEngine:
         if status == "ok":
             return value
         if status == "err":
-            kind, text = value
-            raise (ValueError if kind == "ValueError" else RuntimeError)(text)
+            bad_input, text = value  # the rank refused it (a ValueError: bad input) or failed
+            raise (ValueError if bad_input else RuntimeError)(text)
         raise self.runner.fail(f"data-parallel rank {rank} failed: {value}")
 
     def _call(self, rank: int, msg):
