@@ -241,3 +241,38 @@ def test_chi_square_detects_a_broken_rule(monkeypatch):
     params = SamplingParams(temperature=1.0)
     pvalue = _chi_square_pvalue(_spec_generate(params, "sampled", seed=123), params)
     assert pvalue < 1e-6, pvalue
+
+
+def test_grammar_constrained_rows_equal_sequential_sampler():
+    """A constrained row: each position's mask is the grammar after the drafts before it; greedy output ==
+    the plain Sampler one position at a time, and the grammar ends advanced by exactly the emitted tokens."""
+    import xgrammar as xgr
+
+    from k3serve.workers.structured.matcher import GrammarState
+
+    vocab = ["a", "b", "c", "ab", "ba", "x", "</s>", "y"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[6])
+    compiled = xgr.GrammarCompiler(info).compile_regex("(ab|ba)+c")
+    rng = random.Random(3)
+    spec_sampler, plain = RejectionSampler(Sampler(seed=0)), Sampler(seed=0)
+    for trial in range(40):
+        prefix = [rng.choice([3, 4]) for _ in range(rng.randint(0, 2))]
+        k = rng.randint(0, 4)
+        drafts = [rng.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(k)]
+        logits = torch.randn(1 + k, len(vocab), generator=torch.Generator().manual_seed(trial), dtype=torch.float64)
+        spec_st = SamplingState.new(SamplingParams(temperature=0.0), [0])
+        spec_st.structured = GrammarState(compiled)
+        ref_st = SamplingState.new(SamplingParams(temperature=0.0), [0])
+        ref_st.structured = GrammarState(compiled)
+        for t in prefix:
+            assert spec_st.structured.accept(t) and ref_st.structured.accept(t)
+        got = spec_sampler(logits, [spec_st], [drafts])
+        want = []
+        for j in range(k + 1):  # the plain sampler, which advances its grammar by each token
+            tok = plain(logits[j : j + 1], [ref_st]).token_ids[0]
+            want.append(tok)
+            if j == k or tok != drafts[j]:
+                break
+        assert got.token_ids[0] == want, (trial, drafts)
+        assert spec_st.structured.num_accepted == ref_st.structured.num_accepted
+        assert not spec_st.structured.failed
