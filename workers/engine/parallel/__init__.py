@@ -10,6 +10,10 @@
                  stream: reduce-scatter after o_proj, MoE by all-to-all, all-gather before QKV)
     launcher.py  the process model: rank 0 runs the scheduler and the sampler, ranks 1..N-1 are spawned
                  processes that receive each step's SchedulerOutput over a pipe and run the model runner
+    nodes.py     a group spanning nodes: where each rank lives (NodeLayout), the leader's TCP link to the
+                 other nodes' ranks (RemoteRank / LeaderLink, heartbeats), the pod contract's placement env
+    node_process.py  what a non-leader node runs (`k3serve worker --node-rank K`): its ranks and /health
+    ray_launcher.py  ranks 1..N-1 as Ray actors in a placement group (`distributed_executor_backend="ray"`)
     dp_model.py  DEPForwardModel: a data-parallel rank's forward (attention TP=1, routed experts by all-to-all)
     dp_engine.py the DEP group: check_dp_layout, each rank a whole engine (DEPModelRunner: one forward pass
                  per step, a dummy one when idle), the spawned ranks' message loop
