@@ -1,4 +1,4 @@
-"""RankGroup: one gloo process group of N ranks over loopback, and the collectives the model issues.
+"""RankGroup: one gloo process group of N ranks (loopback, or the pod network when the group spans nodes).
 
 Not torch.distributed's global default group: each engine builds its own `ProcessGroupGloo` from a
 `TCPStore` that rank 0 hosts (port 0: the OS picks one, the children are told which), so several engines
