@@ -4,11 +4,19 @@ The checkpoint is validated from the safetensors headers before any tensor data 
 missing, unexpected, duplicated or wrongly shaped tensor is reported in one `CheckpointError`.
 Tensors are then read straight onto `device` and cast to their target dtype (see `spec.py` for which
 tensors stay float32 / uint8); stacked expert tensors are allocated once and filled expert by expert.
+
+Shard-only reads (`keep=`, one tensor-parallel rank: workers/engine/parallel/shard.py decides): for each
+canonical tensor a `Selection` (some experts of a stacked expert tensor, or spans along one dim) or None
+(not needed); only those bytes are read from the files (safetensors `get_slice`), mapped through fused
+row ranges, per-expert tensors and size-1 dims of the disk spelling. `apply_selection` is the same cut
+of a tensor in memory, so a shard read from disk equals the full read cut afterwards.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +36,87 @@ from .spec import WeightSpec, expected_weights
 
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _BYTE_DTYPES = {"U8", "F8_E8M0"}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The part of one canonical tensor a reader keeps: `experts` (indices into dim 0, in the order kept)
+    or the concatenation of `spans` ([start, stop) ranges) along `dim`; neither = the whole tensor."""
+
+    experts: tuple[int, ...] | None = None
+    dim: int | None = None
+    spans: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        if self.experts is not None and self.dim is not None:
+            raise ValueError("a Selection keeps experts or spans along one dim, not both")
+
+    @property
+    def whole(self) -> bool:
+        return self.experts is None and self.dim is None
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        out = list(shape)
+        if self.experts is not None:
+            out[0] = len(self.experts)
+        elif self.dim is not None:
+            out[self.dim] = sum(b - a for a, b in self.spans)
+        return tuple(out)
+
+
+Keep = Callable[[str, tuple[int, ...]], "Selection | None"]  # (canonical name, full shape) -> what to read
+
+
+def apply_selection(t: torch.Tensor, sel: Selection) -> torch.Tensor:
+    """`sel` of an in-memory tensor (a new contiguous tensor unless `sel` is whole)."""
+    if sel.experts is not None:
+        return t.index_select(0, torch.tensor(sel.experts, dtype=torch.long, device=t.device)).contiguous()
+    if sel.dim is not None:
+        return torch.cat([t.narrow(sel.dim, a, b - a) for a, b in sel.spans], dim=sel.dim).contiguous()
+    return t
+
+
+def _disk_dim(region: tuple[int, ...], disk: tuple[int, ...], dim: int) -> int:
+    """The disk dim holding `region`'s dim `dim` (the two shapes differ only by size-1 dims)."""
+    k = sum(1 for s in region[:dim] if s != 1)
+    return [i for i, s in enumerate(disk) if s != 1][k]
+
+
+def _read_region(sl, disk_shape, src_rows, region, dim, spans):
+    """Read `spans` along `region`'s dim `dim` (None: all of it) of one disk tensor (`src_rows`: the rows of a
+    fused tensor the region is); -> (tensor shaped like the region with that dim cut, bytes read)."""
+    disk = list(disk_shape)
+    base = [slice(None)] * len(disk)
+    if src_rows is not None:
+        disk[0] = src_rows[1] - src_rows[0]
+        base[0] = slice(*src_rows)
+    parts = []
+    if dim is None:
+        parts.append(sl[tuple(base)])
+        shape = region
+    else:
+        dd = _disk_dim(region, tuple(disk), dim)
+        off = src_rows[0] if (src_rows is not None and dd == 0) else 0
+        for a, b in spans:
+            idx = list(base)
+            idx[dd] = slice(off + a, off + b)
+            parts.append(sl[tuple(idx)])
+        shape = list(region)
+        shape[dim] = sum(b - a for a, b in spans)
+        parts = [torch.cat(parts, dim=dd)] if len(parts) > 1 else parts
+    t = parts[0]
+    return t.reshape(tuple(shape)), t.numel() * t.element_size()
+
+
+def _intersect(spans, lo: int, hi: int):
+    """Spans (full-tensor coords) within [lo, hi): (start - lo, stop - lo, offset in the kept tensor)."""
+    out, at = [], 0
+    for a, b in spans:
+        x, y = max(a, lo), min(b, hi)
+        if x < y:
+            out.append((x - lo, y - lo, at + x - a))
+        at += b - a
+    return out
 
 
 def target_dtype(spec: WeightSpec, dtype: torch.dtype) -> torch.dtype:
@@ -138,18 +227,23 @@ def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str
 
 
 def load_model_weights(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    keep: Keep | None = None, stats: dict | None = None,
 ) -> tuple[K3Config, dict[str, torch.Tensor]]:
     """Read config.json and the safetensors of `model_dir` -> (K3Config, canonical weights on `device`).
 
     Float tensors come back in `dtype`, except the fp32-kind ones (float32, float64 when dtype is float64);
-    MXFP4 tensors stay uint8. A tied lm_head is the embedding tensor itself.
+    MXFP4 tensors stay uint8. A tied lm_head is the embedding tensor itself. `keep`: read only each
+    tensor's Selection (None: leave it out); `stats["bytes_read"]` counts the tensor bytes read.
     """
     from safetensors import safe_open
 
     cfg = K3Config.from_pretrained(model_dir)
     files = list_checkpoint_files(model_dir)
-    pieces, specs = plan_load(cfg, read_headers(files), model_dir)
+    headers = read_headers(files)
+    pieces, specs = plan_load(cfg, headers, model_dir)
+    if keep is not None:
+        return cfg, _load_selected(cfg, files, headers, pieces, specs, dtype, torch.device(device), keep, stats)
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[Piece]] = defaultdict(list)
@@ -179,14 +273,92 @@ def load_model_weights(
                     buf = out[p.target] = torch.empty(spec.shape, dtype=tdt, device=device)
                 rows = slice(*p.dst_rows) if p.dst_rows is not None else slice(None)
                 buf[p.expert, rows].copy_(t)
+    if stats is not None:
+        stats["bytes_read"] = stats.get("bytes_read", 0) + sum(
+            _disk_bytes(headers[d]) for d in {p.disk for p in pieces})
+    _fill_defaults(out, specs, dtype, device)
+    return cfg, {k: out[k] for k in specs if k in out}
+
+
+_ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "U8": 1, "F8_E8M0": 1}
+
+
+def _disk_bytes(header) -> int:
+    shape, sdtype = header
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * _ITEM.get(sdtype, 1)
+
+
+def _fill_defaults(out, specs, dtype, device, keep: Keep | None = None) -> None:
     for name, spec in specs.items():
         if name in out:
             continue
         if spec.default == "zeros":
-            out[name] = torch.zeros(spec.shape, dtype=target_dtype(spec, dtype), device=device)
-        elif spec.default == "tied":
+            sel = keep(name, spec.shape) if keep is not None else Selection()
+            if sel is not None:
+                out[name] = torch.zeros(sel.shape(spec.shape), dtype=target_dtype(spec, dtype), device=device)
+        elif spec.default == "tied" and "model.embed_tokens.weight" in out:
             out[name] = out["model.embed_tokens.weight"]
-    return cfg, {k: out[k] for k in specs if k in out}
 
 
-__all__ = ["CheckpointError", "fused_row_counts", "load_model_weights", "plan_load", "target_dtype"]
+def _load_selected(cfg, files, headers, pieces, specs, dtype, device, keep: Keep, stats) -> dict[str, torch.Tensor]:
+    """The `keep` reads of load_model_weights: per piece only its selected rows / columns / experts."""
+    from safetensors import safe_open
+
+    sels = {name: keep(name, spec.shape) for name, spec in specs.items()}
+    out: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    by_file: dict[Path, list[Piece]] = defaultdict(list)
+    for p in pieces:
+        if sels[p.target] is not None:
+            by_file[files[p.disk]].append(p)
+    for f, plist in by_file.items():
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for p in plist:
+                spec, sel = specs[p.target], sels[p.target]
+                tdt = target_dtype(spec, dtype)
+                sl = fh.get_slice(p.disk)
+                region = piece_dst_shape(spec, p)
+                if p.expert is None:  # a whole canonical tensor (or the rows of a fused one)
+                    if sel.experts is not None:
+                        dim, spans = 0, tuple((e, e + 1) for e in sel.experts)
+                    else:
+                        dim, spans = sel.dim, sel.spans
+                    t, n = _read_region(sl, headers[p.disk][0], p.src_rows, region, dim, spans)
+                    nbytes += n
+                    out[p.target] = _as(t, tdt, device)
+                    continue
+                # one expert's tensor into a stacked canonical tensor [E, ...]
+                if sel.experts is not None and p.expert not in sel.experts:
+                    continue
+                buf = out.get(p.target)
+                if buf is None:
+                    buf = out[p.target] = torch.empty(sel.shape(spec.shape), dtype=tdt, device=device)
+                slot = sel.experts.index(p.expert) if sel.experts is not None else p.expert
+                lo, hi = p.dst_rows if p.dst_rows is not None else (0, region[0])
+                if sel.dim == 1:  # rows of the expert: the spans that fall in this piece's rows
+                    for a, b, at in _intersect(sel.spans, lo, hi):
+                        t, n = _read_region(sl, headers[p.disk][0], p.src_rows, region, 0, ((a, b),))
+                        nbytes += n
+                        buf[slot, at: at + b - a].copy_(t)
+                    continue
+                dim = sel.dim - 1 if sel.dim is not None else None
+                t, n = _read_region(sl, headers[p.disk][0], p.src_rows, region, dim, sel.spans)
+                nbytes += n
+                buf[slot, lo:hi].copy_(t)
+    if stats is not None:
+        stats["bytes_read"] = stats.get("bytes_read", 0) + nbytes
+    _fill_defaults(out, specs, dtype, device, keep)
+    return {k: out[k] for k in specs if k in out}
+
+
+def _as(t: torch.Tensor, tdt: torch.dtype, device) -> torch.Tensor:
+    if t.dtype == getattr(torch, "float8_e8m0fnu", None):
+        t = t.view(torch.uint8)
+    return t.to(device=device, dtype=tdt).contiguous()
+
+
+__all__ = ["CheckpointError", "Selection", "apply_selection", "fused_row_counts", "load_model_weights", "plan_load",
+           "target_dtype"]

@@ -41,7 +41,7 @@ from k3serve.workers.engine.parallel import ray_launcher
 from k3serve.workers.engine.parallel.group import LOOPBACK, RankGroup, host_store, join_store
 from k3serve.workers.engine.parallel.layers import ParallelK3ForwardModel
 from k3serve.workers.engine.parallel.seq_parallel import SequenceParallelK3ForwardModel
-from k3serve.workers.engine.parallel.shard import ShardPlan, shard_weights
+from k3serve.workers.engine.parallel.shard import ShardPlan, load_shard, shard_weights
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,10 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
                                                    time.monotonic() + multinode.RENDEZVOUS_TIMEOUT_S)
             peers += [(r.rank, r, r) for r in remote]
         plan = ShardPlan.make(cfg, 0, size, ep, sp)
-        rank_cfg, shard = shard_weights(cfg, weights, plan, dtype)
+        if weights is None:  # the engine left the reading to the ranks: only this rank's slices
+            _cfg, _plan, rank_cfg, shard = load_shard(args.model, dtype, 0, size, ep, sp)
+        else:
+            rank_cfg, shard = shard_weights(cfg, weights, plan, dtype)
         del weights
         for rank, proc, conn in peers:  # each rank reports "loaded" (or its error) before the group forms
             msg = _wait_message(rank, proc, conn, STARTUP_TIMEOUT_S)
@@ -253,14 +256,10 @@ def _wait_message(rank: int, proc, conn, timeout_s: float):
 
 def rank_main(rank: int, spec: RankSpec, conn) -> None:
     """A spawned rank: load its shard, join the group, execute steps until rank 0 says stop or goes away."""
-    from k3serve.workers.model.loader import load_model_weights
-
     status = 0
     try:
-        cfg, weights = load_model_weights(spec.model, dtype=spec.dtype, device="cpu")
-        plan = ShardPlan.make(cfg, rank, spec.size, spec.expert_parallel, spec.sequence_parallel)
-        rank_cfg, shard = shard_weights(cfg, weights, plan, spec.dtype)
-        del weights
+        cfg, plan, rank_cfg, shard = load_shard(spec.model, spec.dtype, rank, spec.size, spec.expert_parallel,
+                                                spec.sequence_parallel)  # only this rank's slices
         conn.send(("loaded", None))
         group = RankGroup(join_store(spec.port, spec.size, STARTUP_TIMEOUT_S, host=spec.store_host), rank,
                           spec.size, spec.timeout_s, host=spec.host)

@@ -19,7 +19,10 @@ Slicing (canonical names of workers/model/spec.py; "rows" = dim 0, "cols" = dim 
 MXFP4 experts are dequantized before slicing (the CPU path computes with dense experts anyway), and
 MTP layers are dropped (the engine's forward does not run them).
 
-Each rank reads the whole checkpoint and keeps its slices (loading only the slices is not done yet).
+`selection(cfg, plan, name, shape)` states these rules once: `shard_weights` cuts full tensors with it and
+`load_shard` reads only those slices from the checkpoint (workers/model/loader.py `keep=`: safetensors
+get_slice), so a spawned rank never holds the whole model. MXFP4 experts under TP (not EP) are the
+exception: read whole, dequantized, then cut.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from k3serve.workers.model.loader import Selection, apply_selection
 
 _KDA_ROWS = ("q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "g_b_proj", "b_proj",
              "q_conv1d", "k_conv1d", "v_conv1d")
@@ -135,62 +140,104 @@ def rank_config(cfg, size: int):
                                num_attention_heads=cfg.num_attention_heads // size, experts_mxfp4=False)
 
 
-def _part(t: torch.Tensor, dim: int, plan: ShardPlan) -> torch.Tensor:
-    return t.chunk(plan.size, dim=dim)[plan.rank].contiguous().clone()
+def _chunk(n: int, plan: ShardPlan) -> tuple[int, int]:
+    """Rank `plan.rank`'s [start, stop) of `n` in torch.chunk's split (equal parts when size divides n)."""
+    c = -(-n // plan.size)
+    return min(plan.rank * c, n), min((plan.rank + 1) * c, n)
 
 
-def shard_weights(cfg, weights: dict[str, torch.Tensor], plan: ShardPlan, dtype: torch.dtype):
-    """(rank config, this rank's weight dict) from the full canonical weights."""
-    if cfg.experts_mxfp4:
-        from k3serve.workers.model.reference import dequantize_experts
-
-        weights = dequantize_experts(weights, dtype)
-    out: dict[str, torch.Tensor] = {}
-    L = cfg.num_hidden_layers
-    for name, t in weights.items():
-        if name.startswith("model.layers."):
-            i = int(name.split(".")[2])
-            if i >= L:
-                continue  # MTP layers: not run by the engine's forward
-            out[name] = _layer_param(cfg, i, name.split(".", 3)[3], t, plan)
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            pad = plan.vocab_per_rank * plan.size - t.shape[0]
-            if pad:
-                t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
-            out[name] = _part(t, 0, plan)
-        else:
-            out[name] = t
-    return rank_config(cfg, plan.size), out
+def _span(dim: int, n: int, plan: ShardPlan) -> Selection:
+    return Selection(dim=dim, spans=(_chunk(n, plan),))
 
 
-def _layer_param(cfg, i: int, rest: str, t: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+WHOLE = Selection()
+
+
+def selection(cfg, plan: ShardPlan, name: str, shape: tuple[int, ...]) -> Selection | None:
+    """What rank `plan.rank` keeps of canonical tensor `name` (full shape `shape`); None: nothing (MTP layers).
+    The one statement of the slicing rules above: shard_weights cuts full tensors with it, load_shard
+    reads only it from the checkpoint."""
+    if name.startswith("model.layers."):
+        i = int(name.split(".")[2])
+        if i >= cfg.num_hidden_layers:
+            return None  # MTP layers: not run by the engine's forward
+        return _layer_selection(cfg, i, name.split(".", 3)[3], shape, plan)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):  # then zero-padded to vocab_per_rank rows
+        v = shape[0]
+        a = min(plan.vocab_start, v)
+        return Selection(dim=0, spans=((a, min(plan.vocab_start + plan.vocab_per_rank, v)),))
+    return WHOLE
+
+
+def _layer_selection(cfg, i: int, rest: str, shape, plan: ShardPlan) -> Selection:
     parts = rest.split(".")
     mod, leaf = parts[0], parts[1]
     if mod == "self_attn":
         rows = _KDA_ROWS + ("A_log", "dt_bias") if cfg.is_kda_layer(i) else _MLA_ROWS
         if leaf in rows:
-            return _part(t, 0, plan)
+            return _span(0, shape[0], plan)
         if leaf == "o_proj":
-            return _part(t, 1, plan)
-        return t  # the replicated pieces (f_a / g_a, o_norm; the MLA latent path)
+            return _span(1, shape[1], plan)
+        return WHOLE  # the replicated pieces (f_a / g_a, o_norm; the MLA latent path)
     if mod == "block_sparse_moe" and leaf == "shared_experts" and plan.sequence_parallel:
-        return t  # sequence parallel: the shared experts run whole on each token's own rank
+        return WHOLE  # sequence parallel: the shared experts run whole on each token's own rank
     if mod == "mlp" or (mod == "block_sparse_moe" and leaf == "shared_experts"):
         proj = parts[-2]
         if proj in ("gate_proj", "up_proj"):
-            return _part(t, 0, plan)
+            return _span(0, shape[0], plan)
         if proj == "down_proj":
-            return _part(t, 1, plan)
-        return t
+            return _span(1, shape[1], plan)
+        return WHOLE
     if mod == "block_sparse_moe" and leaf == "experts":
         which = parts[2]
         if plan.expert_parallel:
-            idx = torch.tensor(plan.expert_map.physical[plan.rank], dtype=torch.long)
-            return t.index_select(0, idx).contiguous()
+            return Selection(experts=tuple(plan.expert_map.physical[plan.rank]))
+        if which.endswith(("_packed", "_scale")):
+            return WHOLE  # MXFP4 under TP: read whole, dequantized, then cut as the dense tensor below
         if which == "w13":  # [E, 2I, Din]: gate rows then up rows, each sliced
-            gate, up = t.chunk(2, dim=1)
-            return torch.cat([_part(gate, 1, plan), _part(up, 1, plan)], dim=1)
+            half = shape[1] // 2
+            (a, b), = _span(1, half, plan).spans
+            return Selection(dim=1, spans=((a, b), (half + a, half + b)))
         if which == "w2":  # [E, Dout, I]
-            return _part(t, 2, plan)
+            return _span(2, shape[2], plan)
         raise ValueError(f"unexpected expert tensor {rest!r}")
-    return t  # norms, AttnRes, router, latent projections: replicated
+    return WHOLE  # norms, AttnRes, router, latent projections: replicated
+
+
+def shard_weights(cfg, weights: dict[str, torch.Tensor], plan: ShardPlan, dtype: torch.dtype, *,
+                  presliced: bool = False):
+    """(rank config, this rank's weight dict) from the full canonical weights, or from the `presliced` ones
+    load_shard read (then only the vocabulary padding and the MXFP4 experts read whole remain to do)."""
+    fresh: set[str] = set()
+    if cfg.experts_mxfp4:
+        from k3serve.workers.model.reference import dequantize_experts
+
+        dense = dequantize_experts(weights, dtype)
+        fresh = set(dense) - set(weights)
+        weights = dense
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        sel = selection(cfg, plan, name, tuple(t.shape))
+        if sel is None:
+            continue
+        if not presliced or (name in fresh and not plan.expert_parallel):
+            t = apply_selection(t, sel)  # a copy unless whole (cat / index_select)
+        if name in ("model.embed_tokens.weight", "lm_head.weight") and t.shape[0] < plan.vocab_per_rank:
+            t = torch.cat([t, t.new_zeros(plan.vocab_per_rank - t.shape[0], t.shape[1])])
+        out[name] = t
+    return rank_config(cfg, plan.size), out
+
+
+def load_shard(model_dir, dtype: torch.dtype, rank: int, size: int, expert_parallel: bool,
+               sequence_parallel: bool = False, stats: dict | None = None):
+    """-> (config, plan, rank config, shard): rank `rank`'s weights, reading only its slices of the checkpoint
+    (equal to shard_weights of the full read; `stats["bytes_read"]`: the tensor bytes read)."""
+    from k3serve.workers.model.config import K3Config
+    from k3serve.workers.model.loader import load_model_weights
+
+    cfg = K3Config.from_pretrained(model_dir)
+    plan = ShardPlan.make(cfg, rank, size, expert_parallel, sequence_parallel)
+    cfg, weights = load_model_weights(model_dir, dtype=dtype, device="cpu",
+                                      keep=lambda name, shape: selection(cfg, plan, name, shape), stats=stats)
+    rank_cfg, shard = shard_weights(cfg, weights, plan, dtype, presliced=True)
+    return cfg, plan, rank_cfg, shard
