@@ -23,9 +23,11 @@ ranks (the log records those).
    not computed (no 896 experts are loaded): the combine sends back rows of the received shape, which is
    what the expert output is. Mean and max over the ranks; "vs the claim" = whether TEP+SP moves less.
 3. CPU overhead: wall time per decode step (one running request) and per prefill step (--tokens tokens) of
-   the random model on 1 rank vs TP+EP and TEP+SP on 2 and 4 ranks, in the same run. This machine's
-   ranks share its few cores and talk over loopback gloo, so the ratios are the cost of the pipe and the
-   collectives here (noisy, not a GPU figure).
+   the random model on 1 rank vs TP+EP and TEP+SP on 2 and 4 ranks, in the same run, every rank with
+   --threads torch threads (default 1, set through OMP_NUM_THREADS before torch loads, so the spawned ranks
+   inherit it: ranks that each take every core oversubscribe them, and OpenMP then runs 10-40x slower on a
+   loaded 2-core machine). The ranks share this machine's few cores and talk over loopback gloo, so the
+   ratios are the cost of the pipe and the collectives here (noisy, not a GPU figure).
 """
 
 from __future__ import annotations
@@ -287,8 +289,10 @@ def overhead(d: Path, cfg, tokens: int, steps: int, ranks: list[int]) -> None:
                 llm.engine.runner.close()
         rows.append([label, n, dec * 1e3, pre * 1e3])
     one_dec, one_pre = rows[0][2], rows[0][3]
-    print(f"\n3. CPU overhead per step, random_config({SEED}), same run ({os.cpu_count()} CPUs shared by all ranks: "
-          "noisy, a CPU/gloo figure)")
+    import torch
+
+    print(f"\n3. CPU overhead per step, random_config({SEED}), same run ({os.cpu_count()} CPUs shared by all ranks, "
+          f"{torch.get_num_threads()} torch thread(s) per rank: noisy, a CPU/gloo figure)")
     print_table(["layout", "ranks", "decode ms/step", "ratio vs 1 rank", f"{tokens}-token prefill ms",
                  "ratio vs 1 rank"],
                 [[lab, n, dec, dec / one_dec, pre, pre / one_pre] for lab, n, dec, pre in rows])
@@ -301,8 +305,12 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=8, help="ranks of the K3-dimension layer")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed")
     p.add_argument("--overhead-ranks", default="2,4", help="rank counts of the CPU-overhead table, comma-separated")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (OMP_NUM_THREADS)")
     a = p.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # before torch loads; spawned ranks inherit it
     import torch
+
+    torch.set_num_threads(a.threads)
 
     from k3serve.workers.model.testing import write_random_model
 
