@@ -118,3 +118,49 @@ def test_dep_worker_serves_one_endpoint_merges_kv_events_and_dies_cleanly(tiny_m
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_dep_openai_server_with_the_official_client(tiny_model_dir):
+    """`k3serve serve --data-parallel-size 2`: concurrent completions from the official `openai` client equal
+    the offline single-rank engine's (float64, greedy); SIGTERM stops the server and its rank (exit 0)."""
+    import openai
+
+    cmd = [sys.executable, "-m", "k3serve.cli", "serve", str(tiny_model_dir), "--port", "0", "--served-model-name",
+           "k3-tiny", "--max-model-len", "256", "--num-threads", "1", "--log-level", "warning", "--dtype", "float64",
+           "--data-parallel-size", "2", "--enable-expert-parallel", *CACHE]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONSAFEPATH="1"))
+    lines, url = [], None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and url is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "k3serve serve did not start:\n" + "".join(lines)
+        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
+        ranks = _children(proc.pid)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompts = ["Hello there, how are you today?", "The weather in Paris is", "1 2 3 4 5 6 7 8"]
+
+        def complete(p):
+            return client.completions.create(model="k3-tiny", prompt=p, max_tokens=6, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(complete, prompts))
+        offline = LLM(str(tiny_model_dir), dtype="float64", max_model_len=256)
+        sp = SamplingParams(temperature=0.0, max_tokens=6)
+        assert got == [o.outputs[0].text for o in offline.generate(prompts, sp)]
+        assert "vllm:num_requests_running" in httpx.get(url + "/metrics", timeout=5).text
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+        gone = time.monotonic() + 5
+        while time.monotonic() < gone and [p for p in ranks if _alive(p)]:
+            time.sleep(0.1)
+        assert not [p for p in ranks if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
