@@ -42,14 +42,13 @@ _MLA_ROWS = ("q_proj", "q_b_proj", "kv_b_proj", "g_proj")
 def check_layout(cfg, args) -> None:
     """Raise one ValueError naming every reason `args` (EngineArgs) cannot shard `cfg`, or return."""
     tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
-    dp = int(getattr(args, "data_parallel_size", 1) or 1)
     ep = bool(getattr(args, "enable_expert_parallel", False))
     sp = bool(getattr(args, "enable_sequence_parallel", False))
     why = []
     if tp < 1:
         why.append(f"tensor_parallel_size must be >= 1 (got {tp})")
-    if dp != 1:
-        why.append(f"data_parallel_size={dp}: data parallelism is not implemented (only 1)")
+    if int(getattr(args, "data_parallel_size", 1) or 1) != 1:  # DEP layouts: dp_engine.check_dp_layout
+        why.append("data_parallel_size > 1 is checked by workers/engine/parallel/dp_engine.py check_dp_layout")
     if tp > 1:
         if not str(getattr(args, "device", "cpu")).startswith("cpu"):
             why.append(f"device={args.device}: tensor parallelism runs on CPU ranks (gloo) only")
