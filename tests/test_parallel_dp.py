@@ -143,6 +143,14 @@ def test_unrunnable_layout_is_a_clear_error(tmp_path_factory, kw, why):
     assert not multiprocessing.active_children()  # refused before any rank started
 
 
+def test_an_engine_error_after_the_ranks_started_stops_them(tmp_path_factory):
+    d = random_model_dir(tmp_path_factory.getbasetemp(), 0)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="kv_cache_memory: 4096 bytes is too small"):
+        LLM(str(d), data_parallel_size=2, enable_expert_parallel=True, kv_cache_memory=4096, **OPTS)
+    assert not multiprocessing.active_children() and time.monotonic() - t0 < 30
+
+
 def test_dense_model_is_refused(tmp_path_factory):
     d = random_model_dir(tmp_path_factory.getbasetemp(), 13)  # no MoE layers
     with pytest.raises(ValueError, match="no MoE layers"):
