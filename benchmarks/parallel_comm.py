@@ -18,7 +18,7 @@ ranks (the log records those).
    N real gloo ranks (threads of this process) issue the layer's collectives with K3's shapes — TP: the
    all-reduce after attention and ours of [T, latent + H] (vLLM's TP MoE reduces [T, H] instead: the
    baseline row, also issued); TEP+SP: the reduce-scatter after o_proj, the all-to-all dispatch (counts,
-   routing metadata, latent tokens) and combine of workers/engine/parallel/moe_a2a.py with K3's router
+   then latent tokens with their routing metadata) and combine of workers/engine/parallel/moe_a2a.py with K3's router
    (sigmoid top-16, renormalized) over random logits, the all-gather before the next QKV. The experts are
    not computed (no 896 experts are loaded): the combine sends back rows of the received shape, which is
    what the expert output is. Mean and max over the ranks; "vs the claim" = whether TEP+SP moves less.
@@ -64,9 +64,10 @@ def tp_collectives(cfg, T: int, n: int, S: int) -> list[tuple[str, str, tuple[in
     return out
 
 
-def sp_collectives(cfg, T: int, n: int, S: int) -> list[tuple[str, str, tuple[int, ...] | None]]:
+def sp_collectives(cfg, T: int, n: int, S: int, item: int = 4) -> list[tuple[str, str, tuple[int, ...] | None]]:
     """The collectives one prefill step issues on a TEP+SP rank; an all-to-all's rows depend on the routing
-    (None), its columns do not (the shape is (None, cols))."""
+    (None), its columns do not (the shape is (None, cols)); the dispatch moves bytes: a token's `item`-byte
+    values, then its k slots and k weights as float64 (workers/engine/parallel/moe_a2a.py)."""
     H, s = cfg.hidden_size, -(-T // n)
     k, lat = cfg.num_experts_per_token, cfg.routed_expert_hidden_size or cfg.hidden_size
     out = [("embedding", "reduce_scatter", (n * s, H))]
@@ -74,8 +75,7 @@ def sp_collectives(cfg, T: int, n: int, S: int) -> list[tuple[str, str, tuple[in
         out += [(f"layer {i} attn in", "all_gather", (s, H)), (f"layer {i} attn out", "reduce_scatter", (n * s, H))]
         if cfg.is_moe_layer(i):
             out += [(f"layer {i} moe counts", "all_to_all", (None,)),
-                    (f"layer {i} moe routing", "all_to_all", (None, 2 * k)),
-                    (f"layer {i} moe dispatch", "all_to_all", (None, lat)),
+                    (f"layer {i} moe dispatch", "all_to_all", (None, lat * item + 16 * k)),
                     (f"layer {i} moe combine", "all_to_all", (None, lat))]
         else:
             out += [(f"layer {i} mlp in", "all_gather", (s, H)), (f"layer {i} mlp out", "reduce_scatter", (n * s, H))]
@@ -218,7 +218,7 @@ def k3_layer(T: int, n: int) -> None:
         ["TP, 2 all-reduces of [T,H] (baseline)", "AR + AR", mean["tp2"] * MIB, max(per["tp2"]) * MIB, 1.0],
         ["ours: TP, AR [T,H] + AR [T,lat+H]", "AR + AR", mean["ours"] * MIB, max(per["ours"]) * MIB,
          mean["ours"] / base],
-        ["TEP+SP (implemented)", "RS + A2A x4 + AG", mean["sp"] * MIB, max(per["sp"]) * MIB, mean["sp"] / base],
+        ["TEP+SP (implemented)", "RS + A2A x3 + AG", mean["sp"] * MIB, max(per["sp"]) * MIB, mean["sp"] / base],
     ])
     rank0: dict[str, float] = {}
     for nm, sh, it in res[0][1]:

@@ -15,8 +15,9 @@ of the other ranks' experts are 0 and their slots -1 in the row a rank receives)
 the routing weights while summing its experts, so the combine returns one row per (token, rank) and the
 token's rank adds them. Collectives, in order and the same on every rank (gloo has a ragged
 `alltoall_base`, so this is torch's all_to_all_single with split sizes; workers/engine/parallel/group.py):
-dispatch = the row counts (int64 [N]), the routing metadata (float64 [rows, 2k]: slots and weights,
-both exact in float64) and the tokens [rows, D]; combine = the results [rows, D'] back.
+dispatch = the row counts (int64 [N]), then ONE all-to-all of bytes [rows, D·itemsize + 16k]: each row is
+the token's bytes followed by its routing metadata as float64 (k slots and k weights, both exact in
+float64); combine = the results [rows, D'] back.
 """
 
 from __future__ import annotations
@@ -77,8 +78,11 @@ def dispatch(group: RankGroup, tokens: torch.Tensor, topk_weights: torch.Tensor,
                       torch.where(mine, topk_weights[src_rows].to(torch.float64), 0.0)], dim=1)
     send = tuple(send_counts.tolist())
     recv = tuple(group.all_to_all(send_counts, [1] * n, [1] * n).tolist())
-    meta = group.all_to_all(meta, send, recv)
-    rows = group.all_to_all(tokens[src_rows], send, recv)
+    rows = tokens[src_rows].contiguous()
+    got = group.all_to_all(torch.cat([rows.view(torch.uint8), meta.view(torch.uint8)], dim=1), send, recv)
+    nb = tokens.shape[1] * tokens.element_size()
+    rows = got[:, :nb].contiguous().view(tokens.dtype)
+    meta = got[:, nb:].contiguous().view(torch.float64)
     return Dispatched(rows, meta[:, k:].to(topk_weights.dtype), meta[:, :k].long(), send, recv, src_rows, T)
 
 
