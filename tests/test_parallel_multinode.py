@@ -5,8 +5,9 @@ the leader (node 0: the engine and rank 0, hosting the rendezvous at --master-ad
 * greedy float64 tokens of TP=2 over 2 nodes (1 rank each) and TP=4 over 2 nodes (2 ranks each) equal
   the single-rank engine's and the reference forward's, on random configs with prefix caching and
   chunked prefill; everything the group opens listens on 127.0.0.1 only;
-* health: SIGKILL of the non-leader node's process tree -> the serving leader exits non-zero within 10 s
-  naming the lost rank; SIGKILL of the leader -> the node process exits non-zero within 10 s;
+* health: SIGKILL or SIGSTOP (a hung node: heartbeats stop, sockets stay open) of the non-leader node's
+  process tree -> the serving leader exits non-zero within 10 s naming the lost rank; SIGKILL or SIGSTOP
+  of the leader -> the node process exits non-zero within 10 s;
 * the non-leader node takes its place from the pod contract's env (K3SERVE_NUM_NODES, K3SERVE_NODE_RANK,
   K3SERVE_LEADER_ADDR) as a rendered pod does;
 * bounded rendezvous: a node with no leader, and a leader whose node never comes, each fail within their
@@ -184,15 +185,39 @@ def test_node_death_makes_the_leader_unhealthy_and_exit(tp2_model):
         node.kill_tree()
 
 
-def test_leader_death_makes_the_node_exit(tp2_model):
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_leader_death_makes_the_node_exit(tp2_model, how):
+    """killed: the connection closes; frozen (SIGSTOP, its sockets stay open): its heartbeats stop."""
     leader, _, node, nurl = _start_group(tp2_model)
     try:
         assert httpx.get(nurl + "/health", timeout=5).status_code == 200
         t0 = time.monotonic()
-        leader.kill_tree()
+        if how == "killed":
+            leader.kill_tree()
+        else:
+            os.killpg(leader.p.pid, signal.SIGSTOP)
         node.p.wait(10)
         assert node.p.returncode == 1 and time.monotonic() - t0 < 10, node.output()
         assert "rank 1 exited (status 1); stopping this node" in node.output()
+    finally:
+        leader.kill_tree()
+        node.kill_tree()
+
+
+def test_frozen_node_makes_the_leader_exit_and_then_exits_itself(tp2_model):
+    """A node that stops answering (SIGSTOP: no FIN, no heartbeats) is lost after the heartbeat timeout;
+    the leader exits non-zero within 10 s; thawed, the node reads the leader's stop and exits."""
+    leader, lurl, node, _ = _start_group(tp2_model)
+    try:
+        assert httpx.get(lurl + "/health", timeout=5).status_code == 200
+        t0 = time.monotonic()
+        os.killpg(node.p.pid, signal.SIGSTOP)
+        leader.p.wait(10)
+        assert leader.p.returncode not in (None, 0) and time.monotonic() - t0 < 10, leader.output()
+        assert re.search(r"tensor-parallel rank 1 exited \(status lost: its node \(\S+\) was silent for",
+                         leader.output()), leader.output()
+        os.killpg(node.p.pid, signal.SIGCONT)  # the stop the leader sent as it gave up waits in the socket
+        assert node.p.wait(15) == 0, node.output()
     finally:
         leader.kill_tree()
         node.kill_tree()

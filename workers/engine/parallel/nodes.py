@@ -205,7 +205,7 @@ class RemoteRank(_Link):
 
     def join(self, timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else 3600.0)
-        while not self.closed and time.monotonic() < deadline:
+        while self.exitcode is None and time.monotonic() < deadline:  # closed, or silent too long
             self._read(min(0.2, max(0.0, deadline - time.monotonic())))
             self.buffered.clear()
 
