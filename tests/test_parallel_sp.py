@@ -43,7 +43,8 @@ def assert_logprobs_close(got, want, tol=1e-9):
 
 @pytest.mark.parametrize("seed,tp", [(23, 2), (64, 2), (27, 4)],
                          ids=["tp2-attnres-mxfp4", "tp2-latentmoe-shared-dense", "tp4-latentmoe-shared"])
-def test_sp_greedy_equals_single_rank_and_reference(tmp_path_factory, seed, tp):
+def test_sp_greedy_equals_single_rank_and_reference(tmp_path_factory, monkeypatch, seed, tp):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned ranks: one thread each, not all cores each
     cfg = random_config(seed)
     d = random_model_dir(tmp_path_factory.getbasetemp(), seed)
     rounds = _prompts(seed, cfg.vocab_size)
