@@ -31,7 +31,10 @@ class SpeculativeConfig:
     rollback: str = "multi_slot"
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.method != "ngram":  # the lookup bounds are ngram's (given for another method: an error)
+            del d["prompt_lookup_min"], d["prompt_lookup_max"]
+        return d
 
     def check_model(self, cfg) -> None:
         if self.method == "mtp" and int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) < 1:

@@ -1,0 +1,181 @@
+"""Speculative decoding end to end: per-user decode tok/s at batch 1 with and without speculation, in one run.
+
+    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/spec_decode.py --device cpu            # the demo model
+    PYTHONSAFEPATH=1 python3 benchmarks/spec_decode.py --device cuda --max-tokens 128    # on a GPU
+
+Model: models/k3-demo-stdlib (workers/model/paths.py `default_serving_model`; `--model DIR` for another).
+Prompts, two sets:
+  * code: the last `--prompt-tokens` tokens before a function body, from the standard-library files the
+    demo model held out of training (workers/model/train/corpus.py: the split is by a hash of the file's
+    relative path, so a held-out path of this machine's stdlib was never trained on);
+  * high-entropy: the same length of uniformly random ordinary (non-special) token ids.
+Rows, every request alone (batch 1), greedy, `--max-tokens` new tokens: `baseline` (no speculation) and
+each speculative config: MTP with k = `--k` under both rollback schemes (multi_slot, recover_ssm),
+and ngram (prompt lookup) with the same k, multi_slot. Per row: per-user decode tok/s = (tokens - 1) /
+(last token time - first token time), the mean over the prompts; `speedup` = that over the baseline's
+on the same prompts in the same run; `accept len` = mean tokens per verify step (1 + accepted drafts);
+`acc@i` = fraction of verify steps whose draft i was accepted; `same` = requests whose tokens equal the
+baseline's (greedy: all of them, up to float rounding off float64); `spec state` = the speculation-only
+state one request holds (the rollback scheme's KDA bytes: workers/engine/spec/rollback.py `state_bytes`
+at batch 1, plus the MTP layer's latent cache at the end of the longest request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _util import print_table  # noqa: E402
+
+
+def code_prompts(tok, n: int, length: int) -> list[list[int]]:
+    from k3serve.workers.model.train.corpus import extract_functions, split_files, stdlib_files
+
+    _train, _valid, held = split_files(stdlib_files())
+    out = []
+    for _path, text in held:
+        for f in extract_functions(text):
+            ids = tok.encode(f.prefix + f.header)
+            if len(ids) >= length:
+                out.append(ids[-length:])
+                break  # one function per file: more variety
+        if len(out) >= n:
+            break
+    if not out:
+        raise SystemExit("no held-out standard-library function found (is the stdlib's source installed?)")
+    return out
+
+
+def entropy_prompts(tok, vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = getattr(tok, "num_base_tokens", vocab)
+    return [[rng.randrange(base) for _ in range(length)] for _ in range(n)]
+
+
+class Row:
+    """One engine (one config) and what it measured."""
+
+    def __init__(self, model: str, args, spec: dict | None):
+        from k3serve.sampling_params import SamplingParams
+        from k3serve.workers.llm import LLM
+
+        self.spec = spec
+        self.llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=1,
+                       max_model_len=args.prompt_tokens + args.max_tokens + 8, speculative_config=spec)
+        self.sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        self.rates: dict[str, list[float]] = {}
+        self.toks: dict[str, list[list[int]]] = {}
+        self.counts: dict[str, list[int]] = {}  # set -> [drafts, accepted, per position...]
+        self.mtp_bytes = 0
+
+    def warm_up(self, prompt: list[int]) -> None:
+        from k3serve.sampling_params import SamplingParams
+
+        self.llm.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+
+    def _spec_counts(self) -> list[int]:
+        st = self.llm.engine.stats()
+        if self.spec is None:
+            return []
+        return [st["spec_decode_num_drafts"], st["spec_decode_num_accepted_tokens"],
+                *st["spec_decode_num_accepted_tokens_per_pos"]]
+
+    def run(self, set_name: str, prompt: list[int], device: str) -> None:
+        import torch
+
+        before = self._spec_counts()
+        out = self.llm.generate([prompt], self.sp)[0]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        m, n = out.metrics, len(out.outputs[0].token_ids)
+        dt = (m["last_token_time"] or 0) - (m["first_token_time"] or 0)
+        self.rates.setdefault(set_name, []).append((n - 1) / dt if dt > 0 else float("nan"))
+        self.toks.setdefault(set_name, []).append(out.outputs[0].token_ids)
+        after = self._spec_counts()
+        acc = self.counts.setdefault(set_name, [0] * len(after))
+        for i, (a, b) in enumerate(zip(after, before)):
+            acc[i] += a - b
+        prop = getattr(self.llm.engine, "proposer", None)
+        if prop is not None and hasattr(prop, "cache_bytes"):
+            self.mtp_bytes = max(self.mtp_bytes, prop.cache_bytes())
+
+    def state_bytes(self) -> int:
+        if self.spec is None:
+            return 0
+        return self.llm.engine.runner.rollback.state_bytes() + self.mtp_bytes
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
+    ap.add_argument("--sets", default="code,entropy")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from k3serve.tokenizer import K3Tokenizer
+    from k3serve.workers.model.config import K3Config
+    from k3serve.workers.model.paths import default_serving_model
+
+    model = args.model or str(default_serving_model())
+    tok = K3Tokenizer.from_dir(model)
+    vocab = K3Config.from_pretrained(model).vocab_size
+    sets = {}
+    for name in args.sets.split(","):
+        if name == "code":
+            sets["code"] = code_prompts(tok, args.prompts, args.prompt_tokens)
+        elif name == "entropy":
+            sets["entropy"] = entropy_prompts(tok, vocab, args.prompts, args.prompt_tokens)
+        else:
+            raise SystemExit(f"--sets: unknown set {name!r} (code, entropy)")
+    k = args.k
+    configs = [("baseline", None),
+               ("mtp multi_slot", {"method": "mtp", "num_speculative_tokens": k, "rollback": "multi_slot"}),
+               ("mtp recover_ssm", {"method": "mtp", "num_speculative_tokens": k, "rollback": "recover_ssm"}),
+               ("ngram multi_slot", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                                     "prompt_lookup_max": 4, "rollback": "multi_slot"})]
+    print(f"model {model}, device {args.device}, dtype {args.dtype}, k={k}, batch 1, {args.prompts} prompts "
+          f"x {args.prompt_tokens} tokens per set, {args.max_tokens} new tokens, greedy")
+    headers = ["set", "config", "tok/s/user", "speedup", "accept len"] + [f"acc@{i}" for i in range(k)] + [
+        "same", "spec state KiB"]
+    engines = [(cname, Row(model, args, spec)) for cname, spec in configs]
+    first = next(iter(sets.values()))[0]
+    for _c, r in engines:
+        r.warm_up(first)
+    t0 = time.perf_counter()
+    for sname, prompts in sets.items():  # prompt by prompt, every config in turn (machine load drifts)
+        for p in prompts:
+            for _c, r in engines:
+                r.run(sname, p, args.device)
+        print(f"  {sname}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    rows = []
+    for sname, prompts in sets.items():
+        base = engines[0][1]
+        base_rate = statistics.mean(base.rates[sname])
+        for cname, r in engines:
+            rate = statistics.mean(r.rates[sname])
+            c = r.counts.get(sname) or []
+            drafts = max(c[0], 1) if c else 1
+            same = sum(a == b for a, b in zip(r.toks[sname], base.toks[sname]))
+            rows.append([sname, cname, round(rate, 1), round(rate / base_rate, 2),
+                         round(1 + c[1] / drafts, 2) if c else 1.0]
+                        + ([round(x / drafts, 2) for x in c[2:]] if c else [0.0] * k)
+                        + [f"{same}/{len(prompts)}", round(r.state_bytes() / 1024, 1)])
+    print_table(headers, rows)
+
+
+if __name__ == "__main__":
+    main()
