@@ -104,3 +104,30 @@ def test_dispatch_refuses_a_map_for_another_group_size():
         return True
 
     assert run_ranks(2, fn) == [True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dispatch_delivers_each_token_once_per_rank_bit_exact(dtype):
+    """Rank d receives, from each rank in order, the tokens (ascending) with >= 1 expert on d, bit-exact in
+    the token dtype (packed with the float64 routing metadata), with the weights and slots of d's experts."""
+    n, E, k, D = 2, 6, 2, 7
+    g = torch.Generator().manual_seed(5)
+    emap = ExpertMap(E, ((4, 1, 2), (0, 5, 3)))
+    z = [torch.randn(c, D, generator=g).to(dtype) for c in (5, 3)]
+    ids = [torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(c)]) for c in (5, 3)]
+    wts = [torch.rand(c, k, generator=g) for c in (5, 3)]
+    got = run_ranks(n, lambda group: dispatch(group, z[group.rank], wts[group.rank], ids[group.rank], emap))
+    for d in range(n):
+        mine = torch.tensor([e in emap.physical[d] for e in range(E)])
+        rows, w, slots = [], [], []
+        for r in range(n):
+            for t in range(z[r].shape[0]):
+                here = mine[ids[r][t]]
+                if here.any():
+                    rows.append(z[r][t])
+                    w.append(torch.where(here, wts[r][t], 0.0))
+                    slots.append(torch.tensor([emap.physical[d].index(e) if h else -1
+                                               for e, h in zip(ids[r][t].tolist(), here.tolist())]))
+        assert got[d].tokens.dtype == dtype
+        assert torch.equal(got[d].tokens.view(torch.uint8), torch.stack(rows).view(torch.uint8))
+        assert torch.equal(got[d].weights, torch.stack(w)) and torch.equal(got[d].slots, torch.stack(slots))
