@@ -186,6 +186,9 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     use_ray = getattr(args, "distributed_executor_backend", "mp") == "ray"  # workers/engine/parallel/ray_launcher.py
     if use_ray and nodes.multi_node:
         raise ValueError("distributed_executor_backend='ray' places the ranks itself: nnodes must be 1")
+    if nodes.multi_node and _wants_transfer(args) is not None:
+        raise ValueError("P/D transfers (the nixl connector) from ranks on other nodes are not implemented yet "
+                         "(nnodes must be 1)")
     owns_ray = ray_launcher.ensure_ray(size) if use_ray else False
     bind = multinode.resolve(nodes.master_addr, multinode.RENDEZVOUS_TIMEOUT_S) if nodes.multi_node else (
         ray_launcher.driver_address() if use_ray else LOOPBACK)
