@@ -80,13 +80,13 @@ def test_kda_chunked_equals_reference(seed, dtype, no_fallback):
     _close(p_cpu, p_ref, dtype)  # final states, checkpoints and untouched slots
 
 
-def test_kda_chunked_strong_decay_takes_the_pairwise_form_and_stays_finite(no_fallback, monkeypatch):
-    forms = []
+def test_kda_chunked_strong_decay_chunks_go_pairwise_and_stay_finite(no_fallback, monkeypatch):
+    masks = []
     real = cpu.kda._gated_products
-    monkeypatch.setattr(cpu.kda, "_gated_products", lambda *a: forms.append(a[-1]) or real(*a))
+    monkeypatch.setattr(cpu.kda, "_gated_products", lambda *a: (lambda r: masks.append(r[2]) or r)(real(*a)))
     T, H, K = 130, 2, 8
-    g = torch.full((T, H, K), -3.0, dtype=torch.float32)  # |G| reaches 192 inside a 64-chunk, 48 in a 16-chunk
-    g[:, :, 0] = -30.0  # and 480 / 480: only the pairwise form is safe
+    g = torch.full((T, H, K), -0.05, dtype=torch.float32)
+    g[64:, :, 0] = -30.0  # |G - G_mid| ~ 240 inside the chunks of the second half: e^240 overflows float32
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
     beta = torch.rand(T, H, generator=gen)
@@ -94,7 +94,8 @@ def test_kda_chunked_strong_decay_takes_the_pairwise_form_and_stays_finite(no_fa
     p_ref, p_cpu = torch.zeros(1, H, K, K), torch.zeros(1, H, K, K)
     want = reference.kda_chunked(q, k, v, g, beta, p_ref, **kw)
     got = cpu.kda_chunked(q, k, v, g, beta, p_cpu, **kw)
-    assert forms == [True]
+    (mask,) = masks
+    assert mask.any() and not mask.all()  # both forms in one call
     assert torch.isfinite(got).all() and torch.isfinite(p_cpu).all()
     _close(got, want, torch.float32)
     _close(p_cpu, p_ref, torch.float32)
@@ -119,13 +120,41 @@ def test_kda_decode_equals_reference(seed, dtype, no_fallback):
         state_pool=torch.randn(N + 5, h, V, K, generator=gen, dtype=F64))
     args = {n: x.to(dtype) for n, x in args.items()}
     idx = torch.tensor(slots)
-    init = torch.tensor([rng.random() < 0.7 for _ in range(N)])
+    init = torch.tensor([seed == 0 or rng.random() < 0.7 for _ in range(N)])  # seed 0: every row continues
     ref_args = {n: (x.clone() if n in ("conv_states", "state_pool") else x) for n, x in args.items()}
     want = reference.kda_decode(**ref_args, state_indices=idx, has_initial_state=init, lower_bound=-5.0, eps=1e-6)
     got = cpu.kda_decode(**args, state_indices=idx, has_initial_state=init, lower_bound=-5.0, eps=1e-6)
     _close(got, want, dtype)
     _close(args["state_pool"], ref_args["state_pool"], dtype)
     _close(args["conv_states"], ref_args["conv_states"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("seed", range(4))
+def test_causal_conv1d_equals_reference(seed, dtype, monkeypatch):
+    monkeypatch.setattr(cpu.conv, "_reference", lambda *a, **k: pytest.fail("fell back to the reference op"))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    B, C, W = rng.randint(1, 7), rng.choice([6, 24]), rng.choice([2, 4])
+    lens = [rng.choice([0, 1, 1, 2, rng.randint(3, 40)]) for _ in range(B)]
+    slots = rng.sample(range(B + 6), B)
+    if B > 1:
+        slots[rng.randrange(B)] = -1
+    init = torch.tensor([rng.random() < 0.6 for _ in range(B)])
+    ckpt = [(b, rng.randint(0, lens[b]), B + 6 + i) for i, b in enumerate(range(B)) if slots[b] >= 0 and rng.random() < 0.5]
+    x = torch.randn(sum(lens), C, generator=gen, dtype=F64).to(dtype)
+    w = torch.randn(C, 1, W, generator=gen, dtype=F64).to(dtype)
+    states = torch.randn(2 * B + 6, C, W - 1, generator=gen, dtype=F64).to(dtype)
+    kw = dict(state_indices=torch.tensor(slots), cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()),
+              has_initial_state=init)
+    if ckpt:
+        kw.update(checkpoint_seq=torch.tensor([c[0] for c in ckpt]), checkpoint_offsets=torch.tensor([c[1] for c in ckpt]),
+                  checkpoint_slots=torch.tensor([c[2] for c in ckpt]))
+    for act in ("silu", None):
+        s_ref, s_cpu = states.clone(), states.clone()
+        want = reference.causal_conv1d_varlen(x, w, s_ref, activation=act, **kw)
+        _close(cpu.causal_conv1d_varlen(x, w, s_cpu, activation=act, **kw), want, dtype)
+        _close(s_cpu, s_ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
@@ -159,24 +188,24 @@ def test_mla_paged_attention_equals_reference(seed, dtype):
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 @pytest.mark.parametrize("T,E,I,D", [(3, 8, 4, 8), (40, 16, 8, 16), (5, 64, 512, 256)])
-def test_moe_experts_equal_reference_both_orders(T, E, I, D, dtype, no_fallback):
+def test_moe_experts_equal_reference_every_order(T, E, I, D, dtype, no_fallback, monkeypatch):
     gen = torch.Generator().manual_seed(T + E)
     z = torch.randn(T, D, generator=gen, dtype=F64).to(dtype)
     w13 = torch.randn(E, 2 * I, D, generator=gen, dtype=F64).to(dtype) / D ** 0.5
     w2 = torch.randn(E, D + 3, I, generator=gen, dtype=F64).to(dtype) / I ** 0.5
     ids = torch.stack([torch.randperm(E, generator=gen)[:3] for _ in range(T)])
     ids[0, 2] = -1  # ignored
+    ids[1, 1] = ids[1, 0]  # the same expert twice for one token: counted twice, as in the reference
     wts = torch.rand(T, 3, generator=gen, dtype=F64).to(dtype)
     for act in ("situ", "silu"):
         kw = dict(w13=w13, w2=w2, activation=act, situ_beta=3.0, situ_linear_beta=6.0)
         want = reference.moe_experts(z, wts, ids, **kw)
         _close(cpu.moe_experts(z, wts, ids, **kw), want, dtype)
-        for cost in (0, 1 << 40):  # force the grouped loop, then the dense form
-            cpu.moe.LOOP_COST_BYTES, old = cost, cpu.moe.LOOP_COST_BYTES
-            try:
-                _close(cpu.moe_experts(z, wts, ids, **kw), want, dtype)
-            finally:
-                cpu.moe.LOOP_COST_BYTES = old
+        # every evaluation order: grouped_mm (float32), the per-expert loop, the dense form
+        for grouped_mm, cost in ((True, 0), (False, 0), (False, 1 << 40)):
+            monkeypatch.setattr(cpu.moe, "GROUPED_MM", grouped_mm)
+            monkeypatch.setattr(cpu.moe, "LOOP_COST_BYTES", cost)
+            _close(cpu.moe_experts(z, wts, ids, **kw), want, dtype)
 
 
 def test_ops_dispatch_cpu_forms_and_reference_switch(monkeypatch):

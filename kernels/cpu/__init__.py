@@ -11,11 +11,13 @@ registration never narrows a contract. `k3serve.kernels.ops` sends CPU tensors h
 reference on random shapes.
 """
 
+from .conv import causal_conv1d_varlen
 from .kda import kda_chunked, kda_decode
 from .mla import mla_paged_attention
 from .moe import moe_experts
 
 OPS = {
+    "causal_conv1d_varlen": causal_conv1d_varlen,
     "kda_chunked": kda_chunked,
     "kda_decode": kda_decode,
     "mla_paged_attention": mla_paged_attention,
@@ -23,4 +25,4 @@ OPS = {
 }
 """{op name: implementation} for CPU tensors."""
 
-__all__ = ["OPS", "kda_chunked", "kda_decode", "mla_paged_attention", "moe_experts"]
+__all__ = ["OPS", "causal_conv1d_varlen", "kda_chunked", "kda_decode", "mla_paged_attention", "moe_experts"]

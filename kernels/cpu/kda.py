@@ -5,13 +5,15 @@ one sequence (and, in decode, one token) at a time, these walk the batch togethe
 
 * `kda_decode`: every row's conv history and state gathered with one index, the conv window, gates,
   normalisation and delta-rule update as whole-batch products, the states and histories scattered back;
-* `kda_chunked`: every sequence's chunks laid side by side ([chunks, H, C, *], the last chunk of a sequence
-  padded with tokens that change nothing: k = v = q = g = beta = 0). The intra-chunk work (gated q·k and
-  k·k products, the unit-triangular solve for the WY pair) is one batched computation over all chunks;
-  the chunk-to-chunk state recurrence is one step per chunk index, all sequences still running at once.
-  The gated products are e^{G_t - G_s}-weighted dot products; when every |cumulative gate| inside a chunk
-  stays below `FACTOR_LIMIT` (no overflow of e^{±G}) they are computed as GEMMs of k·e^{G} with k·e^{-G},
-  else pairwise (exp of every masked difference, as the reference does) on shorter chunks.
+* `kda_chunked`: every sequence's chunks (`CHUNK` tokens) laid side by side ([chunks, H, C, *], the last
+  chunk of a sequence padded with tokens that change nothing: k = v = q = g = beta = 0). The intra-chunk
+  work (gated q·k and k·k products, the unit-triangular solve for the WY pair) is one batched computation
+  over all chunks; the chunk-to-chunk state recurrence is one step per chunk index, all sequences still
+  running at once (every factor there is a decay e^{G_end - G_s} or e^{G_t} <= 1). The gated products
+  Σ_k x_t[k] k_s[k] e^{G_t[k] - G_s[k]} are two GEMMs of x·e^{G - G_m} with k·e^{G_m - G}, G_m the
+  cumulative gate at the chunk's middle token; a chunk where some |G - G_m| reaches `FACTOR_LIMIT` (e^{±}
+  would leave the normal range) is computed pairwise instead (exp of every masked difference, as the
+  reference does).
 
 Chunk boundaries are this module's own (they do not change the result: the chunk form is exact); the
 `chunk_size` argument is validated only. Inputs outside the fast path (a state slot shared by two
@@ -31,15 +33,17 @@ from ..reference.kda_gate import kda_gate
 from ..reference.norms import l2_normalize, rms_norm
 
 FACTOR_LIMIT = {torch.float32: 60.0, torch.float64: 600.0}
-"""Largest |cumulative log-decay| within a chunk for which e^{G} and e^{-G} are both comfortably finite and
-normal (float32: e^60 ~ 1e26; float64: e^600 ~ 1e260)."""
+"""Largest |G_t - G_m| within a chunk for which the factorised form is used: e^{±60} ~ 1e±26 (float32),
+e^{±600} ~ 1e±260 (float64) are finite and normal, so the two factors multiply back exactly."""
 
-CHUNK = 64  # chunk length of the factorised (GEMM) form
-PAIRWISE_CHUNK = 16  # chunk length of the pairwise form ([chunks, H, C, C, K] exps)
+CHUNK = 16
+"""Chunk length: short chunks keep the intra-chunk products cheap (C·K per token and head) and the gate
+range inside a chunk small; the chunk recurrence is a handful of batched ops per chunk index."""
 
 
 def _unique(idx: torch.Tensor) -> bool:
-    return idx.numel() < 2 or torch.unique(idx).numel() == idx.numel()
+    ids = idx.tolist()
+    return len(set(ids)) == len(ids)
 
 
 def kda_decode(
@@ -85,38 +89,50 @@ def kda_decode(
         return out.to(qkv.dtype)
     init = (torch.zeros(N, dtype=torch.bool) if has_initial_state is None
             else has_initial_state.to(torch.bool).reshape(N))
-    hist = torch.where(init[:, None, None], conv_states[idx], 0)  # [N, C, W-1]
+    all_init = bool(init.all())
+    hist = conv_states.index_select(0, idx)  # [N, C, W-1]
+    if not all_init:
+        hist = torch.where(init[:, None, None], hist, 0)
     full = torch.cat([hist, qkv[:, :, None]], dim=2)  # [N, C, W]
     y = F.silu((full * w.to(dt)).sum(-1))
-    conv_states[idx] = full[:, :, 1:]
+    conv_states.index_copy_(0, idx, full[:, :, 1:])
     g = kda_gate(raw_g, A_log, dt_bias, lower_bound)
     beta = torch.sigmoid(beta_logit.to(dt))
     sc = K ** -0.5 if scale is None else scale
     q = l2_normalize(y[:, :P].reshape(N, h, K), 1e-6) * sc
     k = l2_normalize(y[:, P:2 * P].reshape(N, h, K), 1e-6)
     v = y[:, 2 * P:].reshape(N, h, V)
-    S = torch.where(init[:, None, None, None], state_pool[idx], 0) * torch.exp(g)[:, :, None, :]  # [N, h, V, K]
-    u = beta[:, :, None] * (v - (S @ k[..., None])[..., 0])
-    S = S + u[..., None] * k[:, :, None, :]
-    state_pool[idx] = S
-    o = (S @ q[..., None])[..., 0]
+    S = state_pool.index_select(0, idx)  # [N, h, V, K]
+    if not all_init:
+        S = torch.where(init[:, None, None, None], S, 0)
+    S = S.mul_(torch.exp(g)[:, :, None, :]).view(N * h, V, K)
+    u = beta.reshape(N * h, 1) * (v.reshape(N * h, V) - torch.bmm(S, k.reshape(N * h, K, 1))[..., 0])
+    S = torch.baddbmm(S, u[:, :, None], k.reshape(N * h, 1, K))  # S + u kᵀ
+    state_pool.index_copy_(0, idx, S.view(N, h, V, K))
+    o = torch.bmm(S, q.reshape(N * h, K, 1)).view(N, h, V)
     return (rms_norm(o, o_norm_weight.to(dt), eps) * torch.sigmoid(gate.reshape(N, h, V).to(dt))).to(qkv.dtype)
 
 
-def _gated_products(qc, kc, G, limit, pairwise):
-    """(A_kk [n,H,C,C] strictly lower, A_qk [n,H,C,C] inclusive lower): Σ_k x_t[k] k_s[k] e^{G_t[k]-G_s[k]}."""
-    C = kc.shape[2]
+def _gated_products(qc, kc, G):
+    """(A_kk [n,H,C,C] strictly lower, A_qk [n,H,C,C] inclusive lower): Σ_k x_t[k] k_s[k] e^{G_t[k]-G_s[k]}
+    for x = k, q; returns also the chunks computed pairwise (a bool [n])."""
+    n, H, C, K = kc.shape
     incl = torch.ones(C, C, dtype=torch.bool).tril()
-    if not pairwise:
-        ke = kc * torch.exp(-G)
-        eG = torch.exp(G)
-        a_kk = ((kc * eG) @ ke.transpose(-1, -2)).tril(-1)
-        a_qk = ((qc * eG) @ ke.transpose(-1, -2)).masked_fill(~incl, 0)
-        return a_kk, a_qk
-    diff = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~incl[:, :, None], float("-inf"))
-    m = torch.exp(diff).mul_(kc[:, :, None, :, :])  # [n, H, t, s, K]: k_s e^{G_t - G_s}
-    both = m @ torch.stack([kc, qc], dim=-1)  # [n, H, t, s, 2]
-    return both[..., 0].tril(-1), both[..., 1]
+    Gm = G[:, :, (C - 1) // 2 : (C - 1) // 2 + 1, :]
+    rel = G - Gm
+    pairwise = rel.abs().amax(dim=(1, 2, 3)) >= FACTOR_LIMIT[G.dtype]
+    ke = (kc * torch.exp(-rel)).transpose(-1, -2)
+    eG = torch.exp(rel)
+    a_kk = ((kc * eG) @ ke).tril(-1)
+    a_qk = ((qc * eG) @ ke).masked_fill_(~incl, 0)
+    if bool(pairwise.any()):
+        p = pairwise.nonzero().squeeze(1)
+        Gp, kp = G[p], kc[p]
+        diff = (Gp[:, :, :, None, :] - Gp[:, :, None, :, :]).masked_fill(~incl[:, :, None], float("-inf"))
+        m = torch.exp(diff).mul_(kp[:, :, None, :, :])  # [p, H, t, s, K]: k_s e^{G_t - G_s}
+        a_kk[p] = (m * kp[:, :, :, None, :]).sum(-1).tril(-1)
+        a_qk[p] = (m * qc[p][:, :, :, None, :]).sum(-1)
+    return a_kk, a_qk, pairwise
 
 
 def kda_chunked(
@@ -158,28 +174,24 @@ def kda_chunked(
     # the padding token (index T): zeros everywhere, so it leaves the state and the gate sums unchanged
     qz, kz, vz, gz = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (kb.q, kb.k, kb.v, kb.g))
     bz = torch.cat([kb.beta, kb.beta.new_zeros(1, H)])
-    limit = FACTOR_LIMIT[dt]
-    for C, pairwise in ((CHUNK, False), (PAIRWISE_CHUNK, False), (PAIRWISE_CHUNK, True)):
-        # sequences by chunk count, longest first: at chunk step j the running ones are a prefix
-        nch = {b: -(-lens[b] // C) for b in seqs}
-        order = sorted(seqs, key=lambda b: -nch[b])
-        steps = max(nch.values())
-        tok_rows, spans = [], []  # spans[j] = (first chunk, number of sequences) of step j
-        for j in range(steps):
-            run = [b for b in order if nch[b] > j]
-            spans.append((len(tok_rows), len(run)))
-            for b in run:
-                t0 = kb.cu[b] + j * C
-                n = min(C, kb.cu[b + 1] - t0)
-                tok_rows.append(list(range(t0, t0 + n)) + [T] * (C - n))
-        idx = torch.tensor(tok_rows)  # [n_chunks, C]
-        qc, kc, gc = (t[idx].transpose(1, 2) for t in (qz, kz, gz))  # [n, H, C, K]
-        G = gc.cumsum(dim=2)
-        if pairwise or float(G.abs().max()) < limit:
-            break
+    C = CHUNK
+    # sequences by chunk count, longest first: at chunk step j the running ones are a prefix
+    nch = {b: -(-lens[b] // C) for b in seqs}
+    order = sorted(seqs, key=lambda b: -nch[b])
+    tok_rows, spans = [], []  # spans[j] = (first chunk, number of sequences) of step j
+    for j in range(max(nch.values())):
+        run = [b for b in order if nch[b] > j]
+        spans.append((len(tok_rows), len(run)))
+        for b in run:
+            t0 = kb.cu[b] + j * C
+            n = min(C, kb.cu[b + 1] - t0)
+            tok_rows.append(list(range(t0, t0 + n)) + [T] * (C - n))
+    idx = torch.tensor(tok_rows)  # [n_chunks, C]
+    qc, kc, gc = (t[idx].transpose(1, 2) for t in (qz, kz, gz))  # [n, H, C, K]
+    G = gc.cumsum(dim=2)
     vc = vz[idx].transpose(1, 2)  # [n, H, C, V]
     bc = bz[idx].transpose(1, 2)  # [n, H, C]
-    a_kk, a_qk = _gated_products(qc, kc, G, limit, pairwise)
+    a_kk, a_qk, _ = _gated_products(qc, kc, G)
     a_kk = a_kk * bc[..., None]
     eG = torch.exp(G)
     rhs = bc[..., None] * torch.cat([kc * eG, vc], dim=-1)

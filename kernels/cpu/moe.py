@@ -2,13 +2,14 @@
 
 Same contract as `k3serve.kernels.reference.moe_experts` (see it). Two exact evaluation orders:
 
-* grouped: the (token, slot) pairs sorted by expert once (one argsort, one gather of the inputs), then one
-  GEMM pair per active expert on a contiguous slice, one weighted `index_add_` at the end (the reference
-  does a `nonzero`, a gather and an `index_add_` per expert);
-* dense: every expert on every token in three batched products (gate|up for all experts as one GEMM, the
-  down projections as one bmm, the routing weights — zero for unchosen experts — as one more), chosen when
-  the experts nobody routes to cost fewer weight bytes than the grouped loop's fixed cost per active expert
-  (`LOOP_COST_BYTES`): a small model's decode step, never a large model's.
+* grouped: the (token, slot) pairs sorted by expert once (one argsort, one gather of the inputs), then
+  float32: both projections of every expert as ONE `torch._grouped_mm` each over the expert-sorted rows;
+  float64 (which `_grouped_mm` does not take): one GEMM pair per active expert on a contiguous slice; one
+  weighted `index_add_` at the end (the reference does a `nonzero`, a gather and an `index_add_` per expert);
+* dense (float64 only, up to `DENSE_MAX_TOKENS` tokens): every expert on every token in three batched
+  products (gate|up for all experts as one GEMM, the down projections as one bmm, the routing weights —
+  zero for unchosen experts — as one more), chosen when the experts nobody routes to cost fewer weight
+  bytes than the per-expert loop's fixed cost per active expert (`LOOP_COST_BYTES`).
 
 Packed (MXFP4) or non-float32/float64 weights go to the reference op.
 """
@@ -25,6 +26,11 @@ LOOP_COST_BYTES = 256 * 1024
 """The grouped loop's fixed cost per active expert (about ten small ops), as the weight bytes that would be
 read in the same time at memory bandwidth; the dense form is used when (unrouted experts) x (bytes per
 expert) is at most (active experts) x this."""
+
+DENSE_MAX_TOKENS = 64
+"""The dense form computes E/top_k times the routed products: only for decode-sized batches."""
+
+GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 def moe_experts(
@@ -64,10 +70,11 @@ def moe_experts(
     if int(ids.max()) >= E:
         raise IndexError(f"moe_experts: expert id {int(ids.max())} out of range for {E} experts")
     counts = torch.bincount(ids[valid], minlength=E)
-    active = int((counts > 0).sum())
     wts = topk_weights.to(dt)
+    grouped_mm = GROUPED_MM and dt == torch.float32
+    active = 0 if grouped_mm else int((counts > 0).sum())
     bytes_per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-    if (E - active) * bytes_per_expert <= active * LOOP_COST_BYTES:
+    if not grouped_mm and T <= DENSE_MAX_TOKENS and (E - active) * bytes_per_expert <= active * LOOP_COST_BYTES:
         h = act((z @ w13.reshape(E * two_i, d_in).t()).view(T, E, two_i))  # [T, E, I]
         y = torch.bmm(h.transpose(0, 1), w2.transpose(1, 2))  # [E, T, d_out]
         dense_w = torch.zeros(T, E, dtype=dt).scatter_add_(1, ids.clamp(min=0), torch.where(valid, wts, 0))
@@ -76,6 +83,11 @@ def moe_experts(
     order = torch.argsort(flat, stable=True)[int((~valid).sum()):]  # by expert; ignored (negative) ids first
     tok = order // k
     x = z.index_select(0, tok)
+    if grouped_mm:
+        offs = counts.cumsum(0).to(torch.int32)
+        h = act(torch._grouped_mm(x, w13.transpose(1, 2), offs=offs))
+        ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        return torch.zeros(T, d_out, dtype=dt).index_add_(0, tok, ys * wts.reshape(-1)[order, None])
     ys = torch.empty(order.numel(), d_out, dtype=dt)
     start = 0
     for e, c in enumerate(counts.tolist()):
