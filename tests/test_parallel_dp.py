@@ -134,7 +134,11 @@ def test_merged_events_store_on_first_holder_and_remove_on_last():
     (dict(data_parallel_size=2), "data parallelism needs enable_expert_parallel"),
     (dict(data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2), "attention at TP=1"),
     (dict(data_parallel_size=2, enable_expert_parallel=True, kv_offload_memory=1 << 20), "KV connectors"),
-], ids=["experts-not-divisible", "no-expert-parallel", "tp-with-dp", "connectors"])
+    (dict(data_parallel_size=2, enable_expert_parallel=True, speculative_config={"method": "ngram",
+                                                                                 "num_speculative_tokens": 2}),
+     "speculative decoding"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, nnodes=2), "spanning nodes"),
+], ids=["experts-not-divisible", "no-expert-parallel", "tp-with-dp", "connectors", "spec", "nnodes"])
 def test_unrunnable_layout_is_a_clear_error(tmp_path_factory, kw, why):
     d = random_model_dir(tmp_path_factory.getbasetemp(), 0)
     with pytest.raises(ValueError, match=rf"data_parallel_size={kw['data_parallel_size']}: this layout cannot run "

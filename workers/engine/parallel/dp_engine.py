@@ -47,6 +47,13 @@ def check_dp_layout(cfg, args) -> None:
     if (getattr(args, "kv_offload_memory", None) or getattr(args, "kv_connectors", ())
             or getattr(args, "kv_store", None)):
         why.append("KV connectors (offload, store, P/D) are not implemented with data_parallel_size > 1")
+    if getattr(args, "speculative_config", None):
+        why.append("speculative decoding is not implemented with data_parallel_size > 1")
+    if int(getattr(args, "nnodes", 1) or 1) != 1:
+        why.append(f"nnodes={args.nnodes}: data-parallel ranks spanning nodes are not implemented (one node)")
+    if getattr(args, "distributed_executor_backend", "mp") != "mp":
+        why.append(f"distributed_executor_backend={args.distributed_executor_backend}: data-parallel ranks are "
+                   "spawned processes (mp) only")
     if not cfg.moe_layer_ids:
         why.append("the model has no MoE layers: data parallelism alone is independent replicas (run one "
                    "worker per replica)")
