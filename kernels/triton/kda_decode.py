@@ -85,6 +85,8 @@ def _kda_decode_kernel(
     qkv_stride,
     cs_stride,
     pool_stride,
+    bl_stride,
+    gt_stride,
     scale,
     lower_bound,
     eps,
@@ -135,14 +137,14 @@ def _kda_decode_kernel(
             g = lower_bound * tl.sigmoid(a * z)
         else:
             g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-        beta = tl.sigmoid(tl.load(bl_ptr + nh).to(tl.float32))
+        beta = tl.sigmoid(tl.load(bl_ptr + n.to(tl.int64) * bl_stride + h).to(tl.float32))
         if OUT_HERE:  # output weights requested early, out of the final latency chain
             if NS == 1 and NB == 1:
                 rv = rr
             else:
                 rv = tl.arange(0, V)
             gw = tl.load(onw_ptr + rv).to(tl.float32) * tl.sigmoid(
-                tl.load(gate_ptr + nh * V + rv).to(tl.float32)
+                tl.load(gate_ptr + n.to(tl.int64) * gt_stride + h * V + rv).to(tl.float32)
             )
         e = tl.exp(g)
         ek = e * k
@@ -217,6 +219,7 @@ def _kda_decode_epilogue(
     scr_ptr,
     qkv_stride,
     cs_stride,
+    gt_stride,
     eps,
     H,
     K: tl.constexpr,
@@ -248,7 +251,7 @@ def _kda_decode_epilogue(
             other=0.0,
         )
         o = tl.load(scr_ptr + nh * V + rv)
-        gt = tl.load(gate_ptr + nh * V + rv).to(tl.float32)
+        gt = tl.load(gate_ptr + n.to(tl.int64) * gt_stride + h * V + rv).to(tl.float32)
         o = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + eps) * tl.load(onw_ptr + rv).to(tl.float32)
         tl.store(out_ptr + nh * V + rv, (o * tl.sigmoid(gt)).to(out_ptr.dtype.element_ty))
         new = tl.where(rw[None, :] == W - 2, xn[:, None].to(shifted.dtype), shifted)
@@ -348,8 +351,12 @@ def kda_decode_triton(
     scratch = torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)
     scale = K**-0.5 if scale is None else float(scale)
     rg = raw_g.contiguous()
-    bl = beta_logit.reshape(N, H).contiguous()
-    gt = gate.reshape(N, H * V).contiguous()
+    # beta logits and gate are read in place with a row stride (the engine passes column slices of its merged
+    # input projection): a copy only when a row is not unit-strided
+    bl = beta_logit.reshape(N, H)
+    bl = bl if bl.stride(-1) == 1 or H == 1 else bl.contiguous()
+    gt = gate.reshape(N, H * V)
+    gt = gt if gt.stride(-1) == 1 else gt.contiguous()
     onw = o_norm_weight.contiguous()
     # the kernels cast what they load: int32/int64 slots and bool/int flags go in as they are (no copy kernels)
     slots = state_indices if state_indices.dtype in (torch.int32, torch.int64) else state_indices.to(torch.int32)
@@ -384,6 +391,8 @@ def kda_decode_triton(
         qkv.stride(0),
         conv_states.stride(0),
         state_pool.stride(0),
+        bl.stride(0),
+        gt.stride(0),
         scale,
         0.0 if lower_bound is None else float(lower_bound),
         float(eps),
@@ -411,6 +420,7 @@ def kda_decode_triton(
             scratch,
             qkv.stride(0),
             conv_states.stride(0),
+            gt.stride(0),
             float(eps),
             H=H,
             K=K,

@@ -117,16 +117,17 @@ class K3ForwardModel:
         h, d = cfg.kda_num_heads, cfg.kda_head_dim
         P = h * d
         qkv, f_a, b_logit, g_in = self._in_proj(w, x)
-        qkv = qkv.contiguous()
         raw_g = linear(f_a, w["f_b_proj.weight"]).view(T, h, d)
-        gate = linear(g_in, w["g_b_proj.weight"]) if "g_b_proj.weight" in w else g_in.contiguous()
+        gate = linear(g_in, w["g_b_proj.weight"]) if "g_b_proj.weight" in w else g_in
         if b.is_decode:
-            # one token per sequence: conv update, gates, delta rule and gated norm in one fused op
+            # one token per sequence: conv update, gates, delta rule and gated norm in one fused op; it reads
+            # qkv, the beta logits and the gate in place as column slices of the merged projection (no copies)
             y = ops.kda_decode(qkv, self.conv_w[i], self.kv.conv_view(j), raw_g, w["A_log"], w["dt_bias"],
-                               b_logit.contiguous(), gate, w["o_norm.weight"], self.kv.ssm_view(j),
+                               b_logit, gate, w["o_norm.weight"], self.kv.ssm_view(j),
                                b.state_indices[gi], b.has_initial_state, lower_bound=cfg.gate_lower_bound,
                                scale=d ** -0.5, eps=cfg.rms_norm_eps)
             return linear(y.reshape(T, P), w["o_proj.weight"], x.dtype)
+        qkv, gate = qkv.contiguous(), gate.contiguous()
         if b.spec is not None and b.spec.kda_mix is not None:  # a rollback scheme's verify (spec/rollback.py)
             o = b.spec.kda_mix(self, i, j, gi, qkv, raw_g, b_logit, b)
         else:
