@@ -250,3 +250,56 @@ def conv_window_fold(
     start = num_tokens.to(device=dev, dtype=torch.long).view(N, 1, 1)
     cols = (start + torch.arange(w, device=dev).view(1, 1, w)).expand(N, C, w)
     conv_states.index_copy_(0, out_slots.to(device=dev, dtype=torch.long), full.gather(2, cols))
+
+
+def kda_recover_commit(
+    state_pool: torch.Tensor,
+    conv_states: torch.Tensor,
+    s0_slot: int,
+    init: bool,
+    key_gate: torch.Tensor,
+    corrections: torch.Tensor,
+    conv_inputs: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    counts: torch.Tensor,
+    outs: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = True,
+) -> None:
+    """One request's commit at one KDA layer: for each n, the state and conv window after counts[n]
+    tokens of its records go to slot outs[n] of `state_pool` / `conv_states`.
+
+    s0_slot / init: the request's checkpoint (its running block; zeros when init is False), read before
+    anything is written, so one out slot may be s0_slot itself. key_gate [T, H, 2K] = [k as given to the
+    verify | raw gate before ops.kda_gate(·, A_log, dt_bias, lower_bound)]; corrections [T, H, V] from
+    `kda_recover_verify`; conv_inputs [T, C] raw conv inputs; counts [N] ascending in [0, T]; outs [N]
+    distinct. The reference composes ops.kda_gate, `kda_recover_fold` and `conv_window_fold`; on CUDA
+    it is two Triton launches (gate + fold fused; conv windows).
+    """
+    T, H, K2 = key_gate.shape
+    K = K2 // 2
+    V = corrections.shape[-1]
+    if tuple(corrections.shape[:2]) != (T, H) or conv_inputs.shape[0] != T or counts.numel() != outs.numel():
+        raise ValueError(f"records: key_gate {tuple(key_gate.shape)} corrections {tuple(corrections.shape)} "
+                         f"conv_inputs {tuple(conv_inputs.shape)}; counts {counts.numel()} vs outs {outs.numel()}")
+    if not counts.is_cuda:
+        c = counts.tolist()
+        if any(not 0 <= x <= T for x in c) or c != sorted(c):
+            raise ValueError(f"counts must be ascending in [0, {T}]; got {c}")
+    tk = _triton(state_pool, key_gate, corrections, K=K, V=V)
+    if tk is not None:
+        tk.kda_recover_commit_triton(state_pool, conv_states, s0_slot, init, key_gate, corrections, conv_inputs,
+                                     A_log, dt_bias, lower_bound, counts, outs, use_qk_l2norm=use_qk_l2norm)
+        return
+    from . import ops
+
+    N = counts.numel()
+    dev = state_pool.device
+    g = ops.kda_gate(key_gate[..., K:], A_log, dt_bias, lower_bound)
+    slot = torch.full((N,), int(s0_slot), dtype=torch.long, device=dev)
+    has = torch.full((N,), bool(init), dtype=torch.bool, device=dev)
+    kda_recover_fold(state_pool, slot, has, key_gate[..., :K].expand(N, T, H, K), g.expand(N, T, H, K),
+                     corrections.expand(N, T, H, V), counts, outs, use_qk_l2norm=use_qk_l2norm)
+    conv_window_fold(conv_states, slot, has, conv_inputs.expand(N, T, conv_inputs.shape[1]), counts, outs)

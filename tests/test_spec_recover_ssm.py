@@ -300,3 +300,33 @@ def test_kernels_benchmark_smoke(capsys):
     cells = line[0].split()
     assert int(cells[10]) == 2 * (2 * 16 * 16 * 4 + 3 * 2 * 16 * 3 * 4)  # k (state + conv window), float32
     assert int(cells[11]) == 3 * (2 * 16 * 4 + 2 * 2 * 16 * 4 + 3 * 2 * 16 * 4)  # T (u + key|gate + conv in)
+
+
+@_triton_cpu.skip_on_cuda
+@pytest.mark.parametrize("lower_bound,init", [(None, True), (-5.0, True), (-2.5, False)])
+def test_triton_commit_matches_the_reference_under_the_interpreter(lower_bound, init):
+    """kernels/triton/kda_recover.py's fused commit (gate + fold + conv windows) against the reference
+    composition, with the last (longest) length written over the checkpoint's own slot."""
+    from k3serve.kernels.kda_recover import kda_recover_commit
+    from k3serve.kernels.triton.kda_recover import kda_recover_commit_triton
+
+    g = torch.Generator().manual_seed(int(init) + (0 if lower_bound is None else 7))
+    T, H, K, W = 4, 2, 16, 3
+    C = 3 * H * K
+    key_gate = torch.randn(T, H, 2 * K, generator=g)
+    corr = torch.randn(T, H, K, generator=g)
+    conv_in = torch.randn(T, C, generator=g)
+    A_log, dt_bias = torch.randn(H, generator=g) * 0.3, torch.randn(H * K, generator=g)
+    pool = torch.randn(10, H, K, K, generator=g)
+    conv = torch.randn(10, C, W, generator=g)
+    counts, outs = torch.tensor([1, 2, 2, 4]), torch.tensor([7, 8, 9, 3])  # slot 3 is the checkpoint
+    ref_pool, ref_conv = pool.double(), conv.double()
+    kda_recover_commit(ref_pool, ref_conv, 3, init, key_gate.double(), corr.double(), conv_in.double(),
+                       A_log.double(), dt_bias.double(), lower_bound, counts, outs)
+    kda_recover_commit_triton(pool, conv, 3, init, key_gate, corr, conv_in, A_log, dt_bias, lower_bound,
+                              counts, outs)
+    for s in outs.tolist():
+        assert _triton_cpu.rel(pool[s], ref_pool[s]) < 1e-5, s
+        assert torch.allclose(conv[s].double(), ref_conv[s], rtol=0, atol=1e-6), s
+    for s in (0, 1, 2, 4, 5, 6):  # untouched
+        assert torch.equal(pool[s].double(), ref_pool[s]) and torch.equal(conv[s].double(), ref_conv[s])

@@ -31,7 +31,7 @@ import dataclasses
 import torch
 
 from k3serve.kernels import ops
-from k3serve.kernels.kda_recover import conv_window_fold, kda_recover_fold, kda_recover_verify
+from k3serve.kernels.kda_recover import kda_recover_commit, kda_recover_verify
 
 from .rollback import SCHEMES, RollbackScheme, SpecBatch, VerifyRow, default_kda_mix
 
@@ -48,6 +48,8 @@ class _Step:
     cu: torch.Tensor  # [R+1] cumulative chunk lengths of the verified rows
     run_slots: list[torch.Tensor]  # per KDA group [R] running blocks
     has_init: torch.Tensor  # [R] bool
+    has_init_list: list[bool]
+    run_slots_list: list[list[int]]  # the same running blocks as Python ints
     checkpoints: list[tuple[int, int, list[int]]]  # (buffer row, offset, block per KDA group) of the batch
     other: object | None  # the batch with verified rows padded out, None when every row is verified
 
@@ -119,6 +121,9 @@ class RecoverSSMRollback(RollbackScheme):
                            tok=torch.tensor(tok, **lt), row_of_tok=torch.tensor(row_of, **lt),
                            pos_of_tok=torch.tensor(pos_of, **lt), cu=cu, run_slots=run_slots,
                            has_init=batch.has_initial_state[seqs].clone(), checkpoints=checkpoints,
+                           has_init_list=[bool(v) for v in batch.has_initial_state[seqs].tolist()],
+                           run_slots_list=[[row.running_slots[gi] for row in rows]
+                                           for gi in range(len(self.layout.kda_groups))],
                            other=other)
         if getattr(batch, "spec", None) is None:
             batch.spec = SpecBatch(rows=list(rows))
@@ -182,6 +187,7 @@ class RecoverSSMRollback(RollbackScheme):
                 by_row.setdefault(r, []).append((off, blocks[gi]))
             dev = qkv.device
             for r, entries in by_row.items():
+                entries.sort()
                 self._fold_layer(model, i, j, gi, r, torch.tensor([off for off, _ in entries], device=dev),
                                  torch.tensor([blk for _, blk in entries], device=dev))
         return o
@@ -198,27 +204,24 @@ class RecoverSSMRollback(RollbackScheme):
         r = st.buf_row[row.request_id]
         dev = self.corr[self.layers[0][0]].device
         lt = dict(dtype=torch.long, device=dev)
-        counts = torch.tensor([off for off, _ in snapshots] + [accepted_len], **lt)
-        outs = [torch.tensor([blocks[gi] for _, blocks in snapshots] + [row.running_slots[gi]], **lt)
-                for gi in range(len(self.layout.kda_groups))]
+        if any(not 1 <= off <= accepted_len for off, _ in snapshots):
+            raise ValueError(f"recover_ssm: snapshot offsets {[o for o, _ in snapshots]} outside [1, {accepted_len}]")
+        entries = sorted(snapshots, key=lambda e: e[0])
+        entries.append((accepted_len, row.running_slots))  # the longest last: it overwrites the checkpoint
+        counts = torch.tensor([off for off, _ in entries], **lt)
+        outs = [torch.tensor([blocks[gi] for _, blocks in entries], **lt) for gi in range(len(self.layout.kda_groups))]
         for i, gi, j in self.layers:
             self._fold_layer(self._model, i, j, gi, r, counts, outs[gi])
 
     def _fold_layer(self, model, i: int, j: int, gi: int, r: int, counts: torch.Tensor, outs: torch.Tensor) -> None:
-        """Write the fold of buffer row r's first counts[n] tokens into block outs[n] at KDA layer i (page
-        position j); the running block is read (S0) before any block is written."""
+        """Write the fold of buffer row r's first counts[n] tokens (ascending) into block outs[n] at KDA
+        layer i (page position j); the running block (S0) is read before any block is written."""
         st = self._step
-        cfg, w = model.cfg, model.w
+        w = model.w
         p = f"model.layers.{i}.self_attn."
-        K, T, N = self.K, self.T, counts.numel()
-        run = st.run_slots[gi][r : r + 1].expand(N)
-        init = st.has_init[r : r + 1].expand(N)
-        kg = self.key_gate[i][r]  # [T, h, 2K]
-        g = ops.kda_gate(kg[..., K:], w[p + "A_log"], w[p + "dt_bias"], cfg.gate_lower_bound)
-        k = kg[..., :K]
-        kda_recover_fold(model.kv.ssm_view(j), run, init, k.expand(N, T, -1, -1), g.expand(N, T, -1, -1),
-                         self.corr[i][r].expand(N, T, -1, -1), counts, outs, use_qk_l2norm=True)
-        conv_window_fold(model.kv.conv_view(j), run, init, self.conv_in[i][r].expand(N, T, -1), counts, outs)
+        kda_recover_commit(model.kv.ssm_view(j), model.kv.conv_view(j), int(st.run_slots_list[gi][r]),
+                           st.has_init_list[r], self.key_gate[i][r], self.corr[i][r], self.conv_in[i][r],
+                           w[p + "A_log"], w[p + "dt_bias"], model.cfg.gate_lower_bound, counts, outs)
 
     def end_verify(self) -> None:
         self._step = None
