@@ -114,6 +114,51 @@ def test_dep_greedy_equals_single_rank_and_reference(tmp_path_factory, seed, dp)
     assert not multiprocessing.active_children()
 
 
+def test_dep_random_arrivals_and_aborts_match_single_rank(tmp_path_factory):
+    """Requests arrive at random steps (ragged per-rank batches: prefill chunks next to decodes, idle ranks),
+    some greedy, some seeded sampling, a quarter aborted mid-flight: every request's tokens equal the
+    single-rank engine's for the same prompt and parameters (an aborted one's are a prefix of them)."""
+    seed = 27
+    cfg = random_config(seed)
+    d = random_model_dir(tmp_path_factory.getbasetemp(), seed)
+    rng = random.Random(seed)
+    base = [rng.randrange(cfg.vocab_size) for _ in range(40)]
+    reqs = []  # (rid, prompt, params, arrival step, abort step or None)
+    for i in range(10):
+        prompt = base[: rng.randint(0, 40)] + [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 24))]
+        sp = (SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 8), ignore_eos=True) if i % 3 else
+              SamplingParams(temperature=1.0, seed=100 + i, max_tokens=rng.randint(1, 8), ignore_eos=True))
+        arrive = rng.randint(0, 10)
+        reqs.append((f"q{i}", prompt, sp, arrive, arrive + rng.randint(1, 3) if rng.random() < 0.25 else None))
+    single = LLM(str(d), **OPTS)
+    want = [o.outputs[0].token_ids for o in single.generate([r[1] for r in reqs], [r[2] for r in reqs])]
+    llm = LLM(str(d), data_parallel_size=2, enable_expert_parallel=True, **OPTS)
+    engine = llm.engine
+    got, ranks, aborted = {}, set(), 0
+    try:
+        step = 0
+        while len(got) < len(reqs):
+            for rid, prompt, sp, arrive, abort in reqs:
+                if arrive == step:
+                    engine.add_request(rid, prompt, sp.clone())
+                    ranks.add(engine.owner[rid])
+                if abort == step and rid not in got:
+                    for out in engine.abort_request([rid]):
+                        got[rid] = out.outputs[0].token_ids
+                        aborted += out.outputs[0].finish_reason == "abort"
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = out.outputs[0].token_ids
+            step += 1
+            assert step < 500
+    finally:
+        engine.close()
+    assert ranks == {0, 1} and aborted > 0
+    for (rid, _p, _sp, _a, abort), w in zip(reqs, want):
+        assert got[rid] == w if abort is None else got[rid] == w[: len(got[rid])], rid
+    assert not multiprocessing.active_children()
+
+
 def test_merged_events_store_on_first_holder_and_remove_on_last():
     def ev(kind, h):
         return KVEvent(kind, h, None, 0, "mla", 16, 16)
