@@ -15,11 +15,12 @@ batch size runs first as warm-up (Triton compiles, graph captures), outside the 
 `--profile` adds, per batch size, the GPU kernels of one timed generate (µs per decode step) and the host's
 share of a step (wall time per step minus kernel time per step).
 
-`--breakdown` splits a graph-replayed decode step three ways, per batch size: (1) the GPU's own time, by
-replaying the captured graph alone back to back (kernels + the gaps between the graph's kernels, no host
-work); (2) the kernels' time and count per step (profiler); (3) the host's phases of a real step, timed by
-wrapping the engine's own calls (scheduler.schedule, the runner's input preparation, the graph launch, the
-sampler including its wait for the GPU, scheduler.update_from_output, the rest of `step()`).
+`--breakdown` splits a graph-replayed decode step three ways, per batch size: (1) the host's phases of a real
+step, timed by wrapping the engine's own calls (scheduler.schedule, the runner's input preparation, the graph
+launch, the sampler including its wait for the GPU, scheduler.update_from_output, the whole `step()`); (2) the
+GPU's own time, by replaying the captured graph alone back to back on the last real step's inputs (kernels +
+the gaps between the graph's kernels, no host work); (3) the kernels' time and count per step and the top
+kernels (profiler, last: it slows the CUDA calls made after it).
 """
 
 from __future__ import annotations
@@ -113,7 +114,36 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float, top_kernels
     if g is None:
         print(f"# breakdown B={B}: no captured graph of size {size}")
         return
-    # (1) the graph alone, replayed back to back (its inputs are whatever the last real step left)
+    # (1) the host's phases of real steps (first: the profiler below would slow every CUDA call after it)
+    pt = _PhaseTimer()
+    pt.wrap(eng, "step", "step")
+    pt.wrap(eng.scheduler, "schedule", "schedule")
+    pt.wrap(eng.scheduler, "update_from_output", "update_from_output")
+    pt.wrap(runner.inputs, "prepare_decode", "prepare_decode")
+    pt.wrap(runner, "execute", "execute")
+    pt.wrap(g.graph, "replay", "replay (launch)")
+    pt.wrap(eng, "sampler", "sampler (incl. GPU wait)")
+    # every graph size reads its inputs from the start of one staging buffer (model_runner.DecodeStaging): keep
+    # a copy of the last size-`size` step's inputs, so the graph replayed alone below reads real ones
+    timed_prepare, snap = runner.inputs.prepare_decode, {}
+
+    def prepare_and_keep(sched, n):
+        out = timed_prepare(sched, n)
+        if n == size:
+            snap["buf"] = runner.inputs._decode.device_buf.clone()
+        return out
+
+    runner.inputs.prepare_decode = prepare_and_keep  # removed again by pt.undo() (same attribute)
+    try:
+        llm.generate(prompts, spn)
+        torch.cuda.synchronize()
+    finally:
+        pt.undo()
+    if "buf" not in snap:
+        print(f"# breakdown B={B}: no decode step of size {size}")
+        return
+    runner.inputs._decode.device_buf.copy_(snap["buf"])
+    # (2) the graph alone, replayed back to back
     for _ in range(3):
         g.graph.replay()
     torch.cuda.synchronize()
@@ -123,7 +153,7 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float, top_kernels
         g.graph.replay()
     torch.cuda.synchronize()
     replay_us = (time.perf_counter() - t0) / reps * 1e6
-    # (2) kernels of one replay: time and count
+    # (3) kernels of one replay: time and count
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             g.graph.replay()
@@ -140,20 +170,6 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float, top_kernels
             e[1] += 1
     kt, kn = kt / 5, kn / 5
     top = sorted(per.items(), key=lambda kv: -kv[1][0])[:top_kernels]
-    # (3) the host's phases of real steps
-    pt = _PhaseTimer()
-    pt.wrap(eng, "step", "step")
-    pt.wrap(eng.scheduler, "schedule", "schedule")
-    pt.wrap(eng.scheduler, "update_from_output", "update_from_output")
-    pt.wrap(runner.inputs, "prepare_decode", "prepare_decode")
-    pt.wrap(runner, "execute", "execute")
-    pt.wrap(g.graph, "replay", "replay (launch)")
-    pt.wrap(eng, "sampler", "sampler (incl. GPU wait)")
-    try:
-        llm.generate(prompts, spn)
-        torch.cuda.synchronize()
-    finally:
-        pt.undo()
     nrep = len(pt.t.get("replay (launch)", []))
     if not nrep:
         print(f"# breakdown B={B}: no decode step replayed the graph")
