@@ -265,3 +265,20 @@ def test_bad_speculative_config_on_the_command_line(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="not implemented with tensor_parallel_size > 1"):
         LLM(str(d), skip_tokenizer_init=True, tensor_parallel_size=2,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_sampling_with_speculation_is_seeded_and_bounded(tmp_path_factory):
+    """Random sampling goes through the rejection sampler (its distribution test: tests/test_spec_rejection.py);
+    here: seeded requests are reproducible, n > 1 fans out, lengths and ids stay in bounds, and drafts are
+    both accepted and rejected."""
+    seed = MTP_SEEDS[0]
+    d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
+    llm = _llm(d, {"method": "ngram", "num_speculative_tokens": 3, "rollback": "recover_ssm"})
+    llm.engine.proposer = OracleDrafter({tuple(p): r for p, r in zip(prompts, ref)}, 3, cfg.vocab_size, seed)
+    sp = SamplingParams(temperature=0.7, top_k=5, max_tokens=12, ignore_eos=True, seed=123, n=2)
+    a = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sp)]
+    b = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sp)]
+    assert a == b
+    assert all(len(t) == 12 and all(0 <= x < cfg.vocab_size for x in t) for o in a for t in o)
+    st = llm.engine.stats()
+    assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
