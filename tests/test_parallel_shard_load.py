@@ -113,3 +113,20 @@ def test_fused_and_stacked_spellings_read_only_the_slices(tmp_path):
     whole = {}
     load_model_weights(tmp_path / "fused", dtype=torch.float64, stats=whole)
     assert max(read[2, False]) < whole["bytes_read"]
+
+
+def test_load_benchmark_smoke():
+    """benchmarks/parallel_load.py runs and prints its ratios (tiny shapes, 2 ranks)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "parallel_load.py"
+    out = subprocess.run([sys.executable, str(bench), "--layers", "2", "--experts", "4", "--hidden", "256",
+                          "--moe-intermediate", "128", "--ranks", "2"], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONSAFEPATH="1"), check=True).stdout
+    rows = [line.split("|") for line in out.splitlines() if line.strip().startswith("2 ")]
+    assert len(rows) == 2, out
+    for r in rows:
+        read_x, peak_x = (float(x) for x in r[-1].split())
+        assert 0 < read_x < 0.75 and peak_x > 0, out

@@ -5,8 +5,9 @@ own pages with its own agent; the decode worker reads MLA pages from rank 0 and 
 into their offsets of its own (twice as large) state page (k3serve/common/pd_geometry.py), its free pages
 poisoned with 0xFF (NaN) first, so a slice not read shows. Decode block 32 = 2 x prefill block 16.
 
-Greedy float64 tokens must equal the plain reference forward, on a random config and random prompts,
-including prompts that hit the prefill worker's prefix cache. A mismatched geometry is a clear
+Greedy float64 tokens, and their log-probabilities (to 1e-9: a tiny random model's argmax can survive a
+wrong state), must equal the plain reference forward's, on two random configs (TP-sliced and
+expert-parallel experts) and random prompts, including prompts that hit the prefill worker's prefix cache. A mismatched geometry is a clear
 FAILED_PRECONDITION; a killed prefill rank makes that worker exit non-zero within 10 s and the decode side
 recompute (the request is not lost).
 """
@@ -27,13 +28,20 @@ from k3serve.proto.convert import kv_transfer_result_from_proto, sampling_to_pro
 from tests._engine_helpers import random_model_dir, reference_outputs
 from tests.test_pd_workers import _W, _listening_sockets, _sp, _start, _wait_ready, decode_hop, prefill_hop
 
-SEED = 23  # a random config whose KDA and MLA heads split over 2 ranks (3 KDA layers, 1 MLA, MoE)
+# random configs whose KDA and MLA heads split over 2 ranks: 23 (3 KDA layers + 1 MLA, MXFP4 experts sliced by
+# TP, tied vocabulary padded per rank), 41 (4 KDA + 1 MLA, whole experts per rank: --expert-parallel)
+LAYOUTS = [(23, ()), (41, ("--expert-parallel",))]
 CACHE = ["--enable-prefix-caching", "--prefix-cache-retention-interval", "dense"]
 
 
+@pytest.fixture(scope="module", params=LAYOUTS, ids=["seed23-tp", "seed41-ep"])
+def layout(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return random_model_dir(tmp_path_factory.mktemp("pdtp"), SEED)
+def model(tmp_path_factory, layout):
+    return random_model_dir(tmp_path_factory.mktemp("pdtp"), layout[0])
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +52,8 @@ def vocab(model):
 
 
 @pytest.fixture(scope="module")
-def pair(model):
-    procs = {"P": _start(model, "prefill", "--tensor-parallel-size", "2", "--block-size", "16", *CACHE),
+def pair(model, layout):
+    procs = {"P": _start(model, "prefill", "--tensor-parallel-size", "2", "--block-size", "16", *layout[1], *CACHE),
              "D": _start(model, "decode", "--block-size", "32", "--kv-transfer-timeout", "5", *CACHE,
                          env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"})}
     out = {}
