@@ -118,8 +118,11 @@ def test_kda_decode_shaped_and_recurrent_gpu(dt):
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N,lb", [(1, -5.0), (7, None), (70, -5.0)])
-def test_kda_decode_fused_gpu(N, lb, dt):
+@pytest.mark.parametrize("N,lb,strided", [(1, -5.0, False), (7, None, False), (70, -5.0, False), (1, -5.0, True),
+                                          (7, None, True)])
+def test_kda_decode_fused_gpu(N, lb, strided, dt):
+    """strided: qkv, beta logits and gate passed as column slices of one wider tensor, as the engine passes
+    its merged input projection (workers/engine/k3_forward.py)."""
     g = gen()
     H, K, V, W = 4, 128, 128, 4
     C = 2 * H * K + H * V
@@ -146,7 +149,14 @@ def test_kda_decode_fused_gpu(N, lb, dt):
                                gate.double(), onw.double(), rp, slots, init, lower_bound=lb)
     dc, dp = cs.to(DEV), pool.to(DEV)
     poison_allocator()
-    y = ops.kda_decode(qkv.to(DEV), cw.to(DEV), dc, rg.to(DEV), al.to(DEV), dtb.to(DEV), bl.to(DEV), gate.to(DEV),
+    if strided:
+        merged = torch.cat([qkv, bl, gate.reshape(N, H * V), torch.randn(N, 5, generator=g).to(dt)], 1).to(DEV)
+        d_qkv, d_bl = merged[:, :C], merged[:, C:C + H]
+        d_gate = merged[:, C + H:C + H + H * V]
+        assert d_qkv.stride(0) == d_bl.stride(0) == d_gate.stride(0) == merged.shape[1]
+    else:
+        d_qkv, d_bl, d_gate = qkv.to(DEV), bl.to(DEV), gate.to(DEV)
+    y = ops.kda_decode(d_qkv, cw.to(DEV), dc, rg.to(DEV), al.to(DEV), dtb.to(DEV), d_bl, d_gate,
                        onw.to(DEV), dp, slots.to(DEV), init.to(DEV), lower_bound=lb)
     torch.cuda.synchronize()
     used = [int(s) for s in slots if s >= 0]
