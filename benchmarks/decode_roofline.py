@@ -1,7 +1,7 @@
 """Engine decode throughput for the `small` preset next to the memory roofline of the same step.
 
     PYTHONSAFEPATH=1 python benchmarks/decode_roofline.py [--batches 1 8 64] [--prompt 256] [--steps 32]
-        [--modes graphs eager] [--profile]
+        [--modes graphs graphs-cublas eager] [--profile] [--breakdown] [--max-num-batched-tokens 16384]
 
 Makes the `small` checkpoint on the GPU (make_model), measures the device copy bandwidth, then per batch
 size B runs `LLM(..., device="cuda")`: the time of a generate with max_tokens = 1 + steps minus the time of
@@ -11,7 +11,9 @@ distinct active experts per MoE layer (E·(1-(1-k/E)^B)) x their packed bytes + 
 state read+write per sequence and KDA layer + the MLA latent cache read per sequence and MLA layer.
 Prints one table: B, decode tokens/s, roofline tokens/s, fraction. The engine replays decode steps from
 captured CUDA graphs by default on CUDA; pass --enforce-eager to compare without them. A full generate per
-batch size runs first as warm-up (Triton compiles, graph captures), outside the timed region.
+batch size runs first as warm-up (Triton compiles, graph captures), outside the timed region. The token budget
+per step defaults to 16384 so that the whole batch prefills in one step and every timed step is a decode step
+(with the engine's 2048, B=64 requests start decoding while others still prefill: mixed steps, run eagerly).
 `--profile` adds, per batch size, the GPU kernels of one timed generate (µs per decode step) and the host's
 share of a step (wall time per step minus kernel time per step).
 
@@ -195,9 +197,10 @@ def main() -> int:
                          "graphs-cublas: graphs with every projection on cuBLAS (the skinny GEMM off)")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode steps")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="the engine's token budget per step (default: the engine's default). With B x prompt above it "
-                         "the prefill takes several steps and early requests decode in mixed, eagerly run steps")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                    help="the engine's token budget per step (default 16384: 64 x 256-token prompts prefill in one "
+                         "step, so every timed step is a pure, graph-replayed decode step; with B x prompt above it "
+                         "early requests decode in mixed steps, which run eagerly, and the figure mixes the two)")
     ap.add_argument("--breakdown", action="store_true",
                     help="graph replay alone, kernel count, and the host's phases of a decode step")
     args = ap.parse_args()
@@ -217,7 +220,7 @@ def main() -> int:
             triton_ops.SKINNY_GEMM = mode != "graphs-cublas"
             llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                       max_model_len=args.prompt + args.steps + 8, enforce_eager=mode == "eager",
-                      **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}))
+                      max_num_batched_tokens=args.max_num_batched_tokens)
             weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
             for B in args.batches:
                 prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]
