@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from k3serve.workers.engine.parallel.shard import ShardPlan, load_shard, shard_weights
+from k3serve.workers.engine.parallel.shard import ShardPlan, load_shard, selection, shard_weights
 from k3serve.workers.model.loader import load_model_weights
 from k3serve.workers.model.testing import write_random_model
 
@@ -46,7 +46,9 @@ def _check_all_ranks(d, sizes=(2, 4)) -> dict[tuple[int, bool], list[int]]:
     return read
 
 
-@pytest.mark.parametrize("seed", [23, 77, 2])  # MXFP4 + tied + MTP; dense + tied + shared; dense + q-LoRA + untied
+# 23: MXFP4 (w2 shares of 16 columns: not whole scale blocks, read whole) + tied + MTP; 7: MXFP4 with 64-column
+# w2, cut packed at 2 ranks (32 = one scale block each); 77: dense + tied + shared; 2: dense + q-LoRA + untied
+@pytest.mark.parametrize("seed", [23, 7, 77, 2])
 def test_shard_only_read_equals_full_read_then_cut(tmp_path, seed):
     d = tmp_path / "m"
     write_random_model(d, seed=seed, dtype=torch.float64)
@@ -55,6 +57,13 @@ def test_shard_only_read_equals_full_read_then_cut(tmp_path, seed):
     on_disk = sum(os.path.getsize(d / f) for f in os.listdir(d) if f.endswith(".safetensors"))
     assert 0 < full["bytes_read"] <= on_disk
     read = _check_all_ranks(d)
+    cfg, _ = load_model_weights(d, dtype=torch.float64)
+    if cfg.experts_mxfp4:  # the packed w2 is cut where each rank's columns are whole scale blocks
+        name = f"model.layers.{cfg.moe_layer_ids[0]}.block_sparse_moe.experts.w2_packed"
+        shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // 2)
+        for size in (2, 4):
+            sel = selection(cfg, ShardPlan.make(cfg, 0, size, False), name, shape)
+            assert sel.whole == bool((cfg.moe_intermediate_size // size) % 32), (size, sel)
     for ep in (False, True):
         assert max(read[2, ep]) < full["bytes_read"], read
         assert max(read[4, ep]) < min(read[2, ep]), read

@@ -21,8 +21,9 @@ MTP layers are dropped (the engine's forward does not run them).
 
 `selection(cfg, plan, name, shape)` states these rules once: `shard_weights` cuts full tensors with it and
 `load_shard` reads only those slices from the checkpoint (workers/model/loader.py `keep=`: safetensors
-get_slice), so a spawned rank never holds the whole model. MXFP4 experts under TP (not EP) are the
-exception: read whole, dequantized, then cut.
+get_slice), so a spawned rank never holds the whole model. MXFP4 experts are cut packed (output rows of
+w13; whole experts under EP; w2's input columns when each rank's share is a whole number of 32-element
+scale blocks, else w2 is read whole, dequantized, then cut).
 """
 
 from __future__ import annotations
@@ -191,8 +192,14 @@ def _layer_selection(cfg, i: int, rest: str, shape, plan: ShardPlan) -> Selectio
         which = parts[2]
         if plan.expert_parallel:
             return Selection(experts=tuple(plan.expert_map.physical[plan.rank]))
-        if which.endswith(("_packed", "_scale")):
-            return WHOLE  # MXFP4 under TP: read whole, dequantized, then cut as the dense tensor below
+        if which in ("w13_packed", "w13_scale"):
+            which = "w13"  # MXFP4 packs along the input dim: output rows cut as the dense tensor's
+        elif which in ("w2_packed", "w2_scale"):  # [E, Dout, I/2] nibble pairs, [E, Dout, I/32] block scales
+            if not _mxfp4_cols_sliceable(cfg, plan):
+                return WHOLE  # read whole, dequantized, then cut as the dense tensor below
+            per = 2 if which == "w2_packed" else 32
+            (a, b), = _span(2, shape[2] * per, plan).spans
+            return Selection(dim=2, spans=((a // per, b // per),))
         if which == "w13":  # [E, 2I, Din]: gate rows then up rows, each sliced
             half = shape[1] // 2
             (a, b), = _span(1, half, plan).spans
@@ -201,6 +208,12 @@ def _layer_selection(cfg, i: int, rest: str, shape, plan: ShardPlan) -> Selectio
             return _span(2, shape[2], plan)
         raise ValueError(f"unexpected expert tensor {rest!r}")
     return WHOLE  # norms, AttnRes, router, latent projections: replicated
+
+
+def _mxfp4_cols_sliceable(cfg, plan: ShardPlan) -> bool:
+    """Whether each rank's share of the MXFP4 w2 input dim starts and ends on a 32-element scale block."""
+    inter = cfg.moe_intermediate_size
+    return inter % plan.size == 0 and (inter // plan.size) % 32 == 0
 
 
 def shard_weights(cfg, weights: dict[str, torch.Tensor], plan: ShardPlan, dtype: torch.dtype, *,
@@ -219,7 +232,9 @@ def shard_weights(cfg, weights: dict[str, torch.Tensor], plan: ShardPlan, dtype:
         sel = selection(cfg, plan, name, tuple(t.shape))
         if sel is None:
             continue
-        if not presliced or (name in fresh and not plan.expert_parallel):
+        cut_dense = name in fresh and not plan.expert_parallel and name.endswith("experts.w2") and \
+            not _mxfp4_cols_sliceable(cfg, plan)  # MXFP4 w2 read whole (see _layer_selection)
+        if not presliced or cut_dense:
             t = apply_selection(t, sel)  # a copy unless whole (cat / index_select)
         if name in ("model.embed_tokens.weight", "lm_head.weight") and t.shape[0] < plan.vocab_per_rank:
             t = torch.cat([t, t.new_zeros(plan.vocab_per_rank - t.shape[0], t.shape[1])])
