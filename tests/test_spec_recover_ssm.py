@@ -157,15 +157,16 @@ def _batch(lens, state_idx, has_init, ckpt=None):
         checkpoint_slots=slots, logits_indices=torch.zeros(B, dtype=torch.long))
 
 
-@pytest.mark.parametrize("seed", [0, 3, 11])
-def test_scheme_commit_equals_recomputed_state_for_every_accepted_length(seed):
+@pytest.mark.parametrize("seed,with_prefill", [(0, True), (3, True), (11, True), (5, False)])
+def test_scheme_commit_equals_recomputed_state_for_every_accepted_length(seed, with_prefill):
     cfg, layout, kv, model = _model(seed)
     assert scheme_class("recover_ssm") is RecoverSSMRollback
     ngroups = len(layout.kda_groups)
     r = random.Random(seed)
     k = r.randint(2, 4)
     T = 1 + k
-    lens = [T, r.randint(1, T), 5]  # two verified rows (the second with fewer drafts) and a prefill
+    lens = [T, r.randint(1, T)] + [5] * with_prefill  # two verified rows (the second with fewer drafts), a prefill
+    nseq = len(lens)
     kda_layers = [(i, gi, j) for gi, grp in enumerate(layout.kda_groups) for j, i in enumerate(grp.layer_ids)]
     h, d, _ = layout.ssm_shape
     gen = torch.Generator().manual_seed(seed + 1)
@@ -173,8 +174,8 @@ def test_scheme_commit_equals_recomputed_state_for_every_accepted_length(seed):
                   torch.randn(sum(lens), h, d, generator=gen, dtype=F64),
                   torch.randn(sum(lens), h, generator=gen, dtype=F64)) for i, _, _ in kda_layers}
     run = [[10 + gi, 20 + gi, 30 + gi] for gi in range(ngroups)]  # per group: the three sequences' blocks
-    state_idx = [torch.tensor(b) for b in run]
-    has_init = [True, True, False]
+    state_idx = [torch.tensor(b[:nseq]) for b in run]
+    has_init = [True, True, False][:nseq]
     orig = [p.clone() for p in kv.pages]
 
     # the oracle: the default path, exporting the state after every token of the verified rows
@@ -207,14 +208,16 @@ def test_scheme_commit_equals_recomputed_state_for_every_accepted_length(seed):
         batch = _batch(lens, state_idx, has_init, ck1)
         scheme.begin_verify(rows, batch)
         assert batch.spec.kda_mix == scheme.kda_mix and not batch.is_decode
+        assert scheme._step.whole == (not with_prefill)
         for i, gi, j in kda_layers:
             o = batch.spec.kda_mix(model, i, j, gi, *inputs[i], batch)
             torch.testing.assert_close(o, ref_o[i], rtol=0, atol=1e-12)
             for s in (0, 1):  # the verify did not touch the running blocks
                 assert torch.equal(kv.ssm_view(j)[run[gi][s]], state_at(orig, run[gi][s], j)[0])
                 assert torch.equal(kv.conv_view(j)[run[gi][s]], state_at(orig, run[gi][s], j)[1])
-            for a, b in zip(state_at(kv.pages, run[gi][2], j), state_at(ref_pages, run[gi][2], j)):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)  # the prefill row: default path
+            if with_prefill:  # the prefill row went through the default path
+                for a, b in zip(state_at(kv.pages, run[gi][2], j), state_at(ref_pages, run[gi][2], j)):
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
             for a, b in zip(state_at(kv.pages, 90 + gi, j), state_at(ref_pages, spare(0, 1, gi), j)):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12)  # the batch's offset-1 export
         snap = a0 if a0 >= 2 else None  # a retained boundary inside the accepted run of row 0

@@ -52,6 +52,7 @@ class _Step:
     run_slots_list: list[list[int]]  # the same running blocks as Python ints
     checkpoints: list[tuple[int, int, list[int]]]  # (buffer row, offset, block per KDA group) of the batch
     other: object | None  # the batch with verified rows padded out, None when every row is verified
+    whole: bool = False  # the verified rows are the whole batch, in order (no gathers needed)
 
 
 class RecoverSSMRollback(RollbackScheme):
@@ -117,7 +118,8 @@ class RecoverSSMRollback(RollbackScheme):
             other = dataclasses.replace(batch, state_indices=padded, **other)
         else:
             other = None
-        self._step = _Step(rows=list(rows), buf_row={row.request_id: r for r, row in enumerate(rows)},
+        whole = other is None and [row.seq for row in rows] == list(range(num_seqs)) and cu_b[-1] == len(tok)
+        self._step = _Step(rows=list(rows), whole=whole, buf_row={row.request_id: r for r, row in enumerate(rows)},
                            tok=torch.tensor(tok, **lt), row_of_tok=torch.tensor(row_of, **lt),
                            pos_of_tok=torch.tensor(pos_of, **lt), cu=cu, run_slots=run_slots,
                            has_init=batch.has_initial_state[seqs].clone(), checkpoints=checkpoints,
@@ -159,12 +161,15 @@ class RecoverSSMRollback(RollbackScheme):
         p = f"model.layers.{i}.self_attn."
         h, K, V = self.h, self.K, self.V
         T = qkv.shape[0]
-        if st.other is not None:
-            o = default_kda_mix(model, i, j, gi, qkv, raw_g, b_logit, st.other)
+        if st.whole:
+            o = None
+            x, rg, bl = qkv, raw_g, b_logit
         else:
-            o = torch.zeros((T, h, V), dtype=qkv.dtype, device=qkv.device)
-        x = qkv[st.tok]
-        rg = raw_g[st.tok]
+            if st.other is not None:
+                o = default_kda_mix(model, i, j, gi, qkv, raw_g, b_logit, st.other)
+            else:
+                o = torch.zeros((T, h, V), dtype=qkv.dtype, device=qkv.device)
+            x, rg, bl = qkv[st.tok], raw_g[st.tok], b_logit[st.tok]
         if x.dtype != self.conv_in[i].dtype or rg.dtype != self.key_gate[i].dtype:
             raise TypeError(f"recover_ssm: activations {x.dtype}/{rg.dtype} vs side buffers "
                             f"{self.conv_in[i].dtype} (the cache layout's activation dtype)")
@@ -177,10 +182,13 @@ class RecoverSSMRollback(RollbackScheme):
         q, k, v = (t.reshape(-1, h, K) for t in y.split(h * K, dim=-1))  # the page's state is [h, d, d]: V == K
         self.key_gate[i][st.row_of_tok, st.pos_of_tok] = torch.cat([k, rg], dim=-1)
         g = ops.kda_gate(rg, w[p + "A_log"], w[p + "dt_bias"], cfg.gate_lower_bound)
-        beta = torch.sigmoid(b_logit[st.tok].to(model.acc))
+        beta = torch.sigmoid(bl.to(model.acc))
         ov = kda_recover_verify(q, k, v, g, beta, model.kv.ssm_view(j), st.run_slots[gi], st.cu, st.has_init,
                                 self.corr[i], scale=K ** -0.5, use_qk_l2norm=True)
-        o[st.tok] = ov.to(o.dtype)
+        if o is None:
+            o = ov
+        else:
+            o[st.tok] = ov.to(o.dtype)
         if st.checkpoints:  # exports the batch asked for at verified rows (offset 1: always accepted)
             by_row: dict[int, list[tuple[int, int]]] = {}
             for r, off, blocks in st.checkpoints:
