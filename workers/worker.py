@@ -41,9 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def unsupported_layout(args: argparse.Namespace) -> str | None:
     """Why this process cannot run the requested layout yet, or None."""
     if args.data_parallel_size != 1:  # DEP: workers/engine/parallel/dp_front.py (the engine judges the model)
-        if args.role != "both":
-            return (f"--data-parallel-size {args.data_parallel_size} with --role {args.role}: P/D transfers from or "
-                    "into a data-parallel worker are not implemented yet (only --role both)")
+        if args.role == "prefill":  # a DEP decode worker pulls into each rank (dp_engine.py); prefill is TP's
+            return (f"--data-parallel-size {args.data_parallel_size} with --role prefill: P/D transfers from a "
+                    "data-parallel worker are not implemented (--role decode and both are)")
         if getattr(args, "nnodes", 1) != 1:
             return (f"--data-parallel-size {args.data_parallel_size} with --nnodes {args.nnodes}: data-parallel "
                     "ranks spanning nodes are not implemented yet (one node)")

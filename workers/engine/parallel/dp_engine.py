@@ -9,9 +9,14 @@ schedule, a step whose chunks are empty, or a step that failed before its forwar
 meet in the same MoE collectives.
 
 A spawned rank (`dp_rank_main`) answers the front's messages over its pipe, one at a time:
-    ("probe", ids, salt) -> (prefix-hit tokens, load tokens)    ("add", rid, ids, params, salt, prompt)
-    ("abort", rids) -> final outputs    ("step",) -> (outputs, KV events since the last step, error text)
+    ("probe", ids, salt) -> (prefix-hit tokens, load tokens)    ("add", rid, ids, params, salt, prompt, kvp)
+    ("abort", rids) -> final outputs    ("step",) -> (outputs, KV events since the last step, error text,
+                                                      has pending connector work)
     ("snapshot",) -> cache contents     ("stats",) -> stats dict       None -> exit 0
+Every answer is ("ok", value, transfers) or ("err", (bad input?, message), transfers): `transfers` are the
+P/D outcomes (workers/kv_transfer/connector.py TransferLedger.record arguments) the rank's NIXL connector
+recorded since its last answer, which the front records in rank 0's ledger (the one the gRPC layer and the
+transfer metrics read), so a decode request's KvTransferResult is there whichever rank pulled it.
 Failure: as the TP group's (workers/engine/parallel/launcher.py): a rank that exits is `RankFailedError`
 at the leader's next call (its exit status polled, or its pipe or a collective breaking), and the other
 ranks are stopped; a rank whose leader is gone sees its pipe close (or a collective fail) and exits 1.
@@ -44,9 +49,10 @@ def check_dp_layout(cfg, args) -> None:
         why.append(f"tensor_parallel_size={tp}: a data-parallel rank runs attention at TP=1 (only 1 with DP)")
     if not str(getattr(args, "device", "cpu")).startswith("cpu"):
         why.append(f"device={args.device}: data-parallel ranks run on CPU ranks (gloo) only")
-    if (getattr(args, "kv_offload_memory", None) or getattr(args, "kv_connectors", ())
-            or getattr(args, "kv_store", None)):
-        why.append("KV connectors (offload, store, P/D) are not implemented with data_parallel_size > 1")
+    others = [c for c in (getattr(args, "kv_connectors", None) or ()) if c != "nixl"]  # P/D decode: each rank pulls
+    if getattr(args, "kv_offload_memory", None) or others or getattr(args, "kv_store", None):
+        why.append("KV connectors (offload, store) are not implemented with data_parallel_size > 1 (the P/D "
+                   "connector is)")
     if getattr(args, "speculative_config", None):
         why.append("speculative decoding is not implemented with data_parallel_size > 1")
     if int(getattr(args, "nnodes", 1) or 1) != 1:
@@ -231,6 +237,23 @@ def probe(engine, ids: list[int], cache_salt: str | None) -> tuple[int, int]:
     return hit, load
 
 
+def _ship_transfers(engine) -> list:
+    """The list the rank's NIXL ledger also appends each recorded outcome to (empty without P/D)."""
+    from k3serve.workers.kv_transfer.grpc_pd import find_nixl
+
+    out: list = []
+    nixl = find_nixl(engine)
+    if nixl is not None:
+        record = nixl.ledger.record
+
+        def record_and_ship(request_id, outcome, *, seconds=None, bytes_by_view=None):
+            record(request_id, outcome, seconds=seconds, bytes_by_view=bytes_by_view)
+            out.append((request_id, outcome, seconds, bytes_by_view))
+
+        nixl.ledger.record = record_and_ship
+    return out
+
+
 @dataclass(frozen=True)
 class RankArgs:
     """What a spawned rank needs (picklable)."""
@@ -253,6 +276,11 @@ def dp_rank_main(rank: int, spec: RankArgs, conn) -> None:
         engine = LLMEngine(spec.args, dp=ctx)
         events: list = []
         engine.subscribe_kv_events(events.append)
+        transfers = _ship_transfers(engine)
+
+        def reply(status, value):
+            conn.send((status, value, transfers[:]))
+            transfers.clear()
         while True:
             try:
                 msg = conn.recv()
@@ -264,15 +292,17 @@ def dp_rank_main(rank: int, spec: RankArgs, conn) -> None:
             op = msg[0]
             if op == "step":
                 outs, err = lockstep_step(engine)
-                conn.send(("ok", (outs, events[:], None if err is None else f"{type(err).__name__}: {err}")))
+                reply("ok", (outs, events[:], None if err is None else f"{type(err).__name__}: {err}",
+                             engine.has_pending_connector_work()))
                 events.clear()
                 continue
             try:
                 if op == "probe":
                     result = probe(engine, msg[1], msg[2])
                 elif op == "add":
-                    _op, rid, ids, params, salt, prompt = msg
-                    result = engine.add_request(rid, ids, params, cache_salt=salt, prompt=prompt)
+                    _op, rid, ids, params, salt, prompt, kvp = msg
+                    result = engine.add_request(rid, ids, params, cache_salt=salt, prompt=prompt,
+                                                kv_transfer_params=kvp)
                 elif op == "abort":
                     result = engine.abort_request(msg[1])
                 elif op == "snapshot":
@@ -282,10 +312,10 @@ def dp_rank_main(rank: int, spec: RankArgs, conn) -> None:
                 else:
                     raise ValueError(f"unknown message {op!r}")
             except Exception as e:  # noqa: BLE001 - e.g. a bad request: the front raises it to its caller
-                conn.send(("err", (isinstance(e, ValueError), f"{e}" if isinstance(e, ValueError)
-                                   else f"{type(e).__name__}: {e}")))
+                reply("err", (isinstance(e, ValueError), f"{e}" if isinstance(e, ValueError)
+                              else f"{type(e).__name__}: {e}"))
                 continue
-            conn.send(("ok", result))
+            reply("ok", result)
     except BaseException as e:  # noqa: BLE001 - reported to the leader (while starting) and in the exit status
         status = 1
         try:

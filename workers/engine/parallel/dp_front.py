@@ -105,6 +105,11 @@ class DPEngine:
         self.owner: dict[str, int] = {}  # unfinished request id -> its rank
         self.routed = [0] * size  # requests sent to each rank
         self.merger = KVEventMerger()
+        self.pending = [False] * size  # each spawned rank's connector work, as of its last step
+        from k3serve.workers.kv_transfer.grpc_pd import find_nixl
+
+        nixl = find_nixl(self.local)
+        self.ledger = nixl.ledger if nixl is not None else None  # every rank's P/D outcomes land here
         self.event_listeners: list[Callable[[KVEvent], None]] = []
         self.local.subscribe_kv_events(lambda ev: self._on_event(0, ev))
 
@@ -130,9 +135,12 @@ class DPEngine:
                        else f"data-parallel rank {rank} did not answer within {2 * DEFAULT_TIMEOUT_S:g} s")
                 raise self.runner.fail(why)
         try:
-            status, value = conn.recv()
+            status, value, *rest = conn.recv()
         except (EOFError, OSError):
             raise self.runner.fail(self.runner.dead_rank(1.0) or f"data-parallel rank {rank}: its pipe closed") from None
+        for rid, outcome, seconds, bytes_by_view in (rest[0] if rest else ()):
+            if self.ledger is not None:
+                self.ledger.record(rid, outcome, seconds=seconds, bytes_by_view=bytes_by_view)
         if status == "ok":
             return value
         if status == "err":
@@ -166,13 +174,13 @@ class DPEngine:
                     prompt: str | None = None, kv_transfer_params: dict | None = None) -> None:
         if request_id in self.owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if kv_transfer_params is not None:
-            raise ValueError("kv_transfer_params: P/D transfers are not implemented with data_parallel_size > 1")
         rank = self.choose_rank(prompt_token_ids, cache_salt)
         if rank == 0:
-            self.local.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt, prompt=prompt)
+            self.local.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt, prompt=prompt,
+                                   kv_transfer_params=kv_transfer_params)
         else:
-            self._call(rank, ("add", request_id, [int(t) for t in prompt_token_ids], params, cache_salt, prompt))
+            self._call(rank, ("add", request_id, [int(t) for t in prompt_token_ids], params, cache_salt, prompt,
+                              kv_transfer_params))
         self.owner[request_id] = rank
         self.routed[rank] += 1
 
@@ -194,13 +202,13 @@ class DPEngine:
         return bool(self.owner)
 
     def has_pending_connector_work(self) -> bool:
-        return False  # no KV connectors with data parallelism (dp_engine.check_dp_layout)
+        return self.local.has_pending_connector_work() or any(self.pending)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.owner)
 
     def step(self) -> list:
-        if not self.owner:
+        if not self.owner and not self.has_pending_connector_work():
             return []
         self.runner.check_peers()
         for rank in range(1, self.size):
@@ -208,7 +216,7 @@ class DPEngine:
         outputs, err = lockstep_step(self.local)  # meets the other ranks in every MoE layer
         errors = [] if err is None else [f"data-parallel rank 0: {type(err).__name__}: {err}"]
         for rank in range(1, self.size):
-            outs, events, rank_err = self._recv(rank)
+            outs, events, rank_err, self.pending[rank] = self._recv(rank)
             for ev in events:
                 self._on_event(rank, ev)
             outputs += outs

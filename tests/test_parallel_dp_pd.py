@@ -1,0 +1,80 @@
+"""P/D into a DEP decode worker: a real `k3serve worker --role prefill` (one rank) and a real `k3serve worker
+--role decode --data-parallel-size 2 --enable-expert-parallel`, NIXL (UCX over shared memory) between them,
+driven over gRPC the way the router does (tests/test_pd_workers.py's hops). Each decode rank pulls its own
+requests' pages with its own agent; greedy float64 tokens equal the reference forward for requests on both
+ranks (the second arrives while the first decodes, so the spreading rule puts it on rank 1), and every
+request's KvTransferResult says "pulled" (rank 1's outcome reaches the gRPC layer through rank 0's ledger)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from k3serve.proto import worker_pb2 as pb
+from k3serve.workers.model.testing import random_config
+from tests._engine_helpers import random_model_dir, reference_outputs
+from tests.test_pd_workers import _W, _start, _wait_ready, decode_hop, prefill_hop
+
+SEED = 0  # random_config(0): LatentMoE (16 experts, norm, shared experts), AttnRes
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = random_model_dir(tmp_path_factory.mktemp("dp-pd"), SEED)
+    cache = ["--enable-prefix-caching", "--prefix-cache-retention-interval", "dense", "--block-size", "16"]
+    procs = {"P": _start(d, "prefill", *cache),
+             "D": _start(d, "decode", *cache, "--data-parallel-size", "2", "--enable-expert-parallel")}
+    out = {}
+    try:
+        for k, p in procs.items():
+            out[k] = _W(p, *_wait_ready(p))
+        yield d, out
+    finally:
+        for w in out.values():
+            w.channel.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                assert p.wait(15) == 0
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_pd_into_dep_decode_pulls_on_both_ranks(pair):
+    d, w = pair
+    rng = random.Random(SEED)
+    vocab = random_config(SEED).vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (37, 21, 50)]
+    news = [24, 4, 4]
+    want = [reference_outputs(d, [p], n)[0] for p, n in zip(prompts, news)]
+    kvps = [prefill_hop(w["P"], f"p{i}", p, n) for i, (p, n) in enumerate(zip(prompts, news))]
+    results = {}
+
+    def run(i):
+        results[i] = decode_hop(w["D"], f"d{i}", prompts[i], news[i], kvps[i])
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    # the later ones arrive while the first one decodes: rank 0 is busier, they go to rank 1 (then by load)
+    deadline = time.monotonic() + 60
+    while (time.monotonic() < deadline and 0 not in results
+           and w["D"].stub.GetLoad(pb.LoadRequest(), timeout=5).running == 0):
+        time.sleep(0.01)
+    assert 0 not in results  # still decoding on rank 0 when the others arrive
+    rest = [threading.Thread(target=run, args=(i,)) for i in (1, 2)]
+    for t in rest:
+        t.start()
+    for t in [first, *rest]:
+        t.join(120)
+    for i in range(3):
+        toks, res = results[i]
+        assert toks == want[i], (i, res)
+        assert res["outcome"] == "pulled", (i, res)
+        assert res["pulled_tokens"] + res["local_cached_tokens"] == len(prompts[i]) - 1 and res["bytes"] > 0
