@@ -45,6 +45,16 @@ class RankEndpoint:
     agent_metadata: bytes
     bases: tuple[int, ...]  # per layer position j: address of this rank's page tensor j
 
+    def to_plain(self) -> dict:
+        """JSON-safe (a rank reports it to rank 0 over a pipe or, from another node, as JSON)."""
+        return dict(tp_rank=self.tp_rank, agent_name=self.agent_name, agent_metadata=self.agent_metadata.hex(),
+                    bases=[int(b) for b in self.bases])
+
+    @classmethod
+    def from_plain(cls, d: dict) -> RankEndpoint:
+        return cls(int(d["tp_rank"]), str(d["agent_name"]), bytes.fromhex(d["agent_metadata"]),
+                   tuple(int(b) for b in d["bases"]))
+
 
 @dataclass
 class Peer:

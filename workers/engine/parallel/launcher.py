@@ -228,12 +228,14 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, peers=peers)
         if spec.transfer is not None:  # each rank's own agent over its own pages (P/D)
+            from k3serve.workers.kv_transfer.handshake import RankEndpoint
+
             runner.kv.transfer_ranks = []
             for rank, proc, conn in peers:
                 msg = _wait_message(rank, proc, conn, STARTUP_TIMEOUT_S)
                 if msg[0] != "transfer":
                     raise RankFailedError(f"tensor-parallel rank {rank} could not register its pages: {msg[1]}")
-                runner.kv.transfer_ranks.append(msg[1])
+                runner.kv.transfer_ranks.append(RankEndpoint.from_plain(msg[1]))
     except BaseException:
         _stop_peers(peers)
         raise
@@ -273,7 +275,7 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
         agent = None
         if spec.transfer is not None:
             agent, endpoint = _register_for_transfer(rank, runner, *spec.transfer)
-            conn.send(("transfer", endpoint))
+            conn.send(("transfer", endpoint.to_plain()))
         while True:
             try:
                 sched = conn.recv()
