@@ -276,8 +276,9 @@ def test_operator_simulate_runs_a_rendered_two_node_group(tmp_path, tiny_model_d
     """The operator's multi-node rendering for real: a decode pool of TP=2 on 1-GPU nodes renders one
     StatefulSet of 2 pods per group (operator/render_workers.py); `k3serve operator simulate` runs them
     (pod IPs 127.100.x.N, the leader's headless DNS name resolved to its pod) and the router's gateway
-    serves greedy completions equal to the offline TP=2 engine on the same checkpoint; stopping the pods
-    together stops the group cleanly (no lost-rank failure on either side)."""
+    serves greedy completions equal to the offline TP=2 engine on the same checkpoint; SIGKILL of the
+    node pod makes the leader exit 1, the restarted pods form the group again and serve the same tokens;
+    stopping the pods together stops the group cleanly (no lost-rank failure on either side)."""
     import openai
     import yaml
     from _k8s_sim import start_simulation
@@ -298,16 +299,35 @@ def test_operator_simulate_runs_a_rendered_two_node_group(tmp_path, tiny_model_d
         assert leader_ip.startswith("127.100.")
         assert f"node 1 of 2 ready ranks=[1] leader={leader_ip}:29500" in node_log, node_log
         client = openai.OpenAI(base_url=sim.gateway, api_key="none", max_retries=0, timeout=120)
-        r = client.completions.create(model="k3-tiny", prompt="The cache keeps", max_tokens=6, temperature=0,
-                                      extra_body={"ignore_eos": True})
+
+        def complete():
+            return client.completions.create(model="k3-tiny", prompt="The cache keeps", max_tokens=6,
+                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+
+        first = complete()
+        # the node pod dies: the leader exits non-zero, both are restarted (restartPolicy), the group forms again
+        os.killpg(int((sim.root / "pods" / "tiny-decode-0-1" / "pid").read_text()), signal.SIGKILL)
+        deadline, again = time.monotonic() + 150, None
+        while again is None and time.monotonic() < deadline:
+            if "pod tiny-decode-0-0 exited with code 1; restart 1" in sim.output():
+                try:
+                    again = complete()
+                except openai.APIError:
+                    time.sleep(1)
+            else:
+                time.sleep(0.5)
+        assert again is not None, sim.output()
     finally:
         sim.stop()
-    # the pods are stopped together: the node gives the leader time to stop the group, so nobody sees a lost rank
     leader_log, node_log = sim.log("tiny-decode-0-0"), sim.log("tiny-decode-0-1")
-    assert "the engine failed" not in leader_log and "exited (status" not in node_log, leader_log + node_log
+    assert "tensor-parallel rank 1 exited (status lost: its node" in leader_log, leader_log
+    # the pods are stopped together: the node gives the leader time to stop the group, so nobody sees a lost rank
+    leader_last = leader_log.rsplit("ready grpc=", 1)[1]
+    node_last = node_log.rsplit("node 1 of 2 ready", 1)[1]
+    assert "the engine failed" not in leader_last and "exited (status" not in node_last, leader_last + node_last
     offline = LLM(str(tiny_model_dir), max_model_len=512, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
         ref = offline.generate("The cache keeps", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     finally:
         offline.engine.runner.close()
-    assert r.choices[0].text == ref.outputs[0].text
+    assert first == again == ref.outputs[0].text
