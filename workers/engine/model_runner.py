@@ -109,6 +109,7 @@ class DecodeStaging:
         else:
             self.host_bufs, self.copied = [self.device_buf], [None]
         self.turn = 0
+        self._cache: dict[tuple[int, int], dict] = {}  # (buffer, size) -> its views (made once per size)
 
     def _n64(self, size: int) -> int:
         return 5 * size + 1 + (self.num_mla + self.num_kda) * size
@@ -143,8 +144,11 @@ class DecodeStaging:
         t = self.turn
         if self.copied[t] is not None:
             self.copied[t].synchronize()
-        v = self.views(self.host_bufs[t], size)
-        return {k: ([a.numpy() for a in x] if isinstance(x, list) else x.numpy()) for k, x in v.items()}, t
+        key = (t, size)
+        if key not in self._cache:
+            v = self.views(self.host_bufs[t], size)
+            self._cache[key] = {k: ([a.numpy() for a in x] if isinstance(x, list) else x.numpy()) for k, x in v.items()}
+        return self._cache[key], t
 
     def send(self, t: int, size: int) -> dict:
         """Copy host buffer `t` (a batch of `size` rows) to the device; returns the device views."""
@@ -155,7 +159,10 @@ class DecodeStaging:
             ev.record()
             self.copied[t] = ev
             self.turn = 1 - t
-        return self.views(self.device_buf, size)
+        key = (-1, size)
+        if key not in self._cache:
+            self._cache[key] = self.views(self.device_buf, size)
+        return self._cache[key]
 
 
 class InputPreparer:
@@ -216,9 +223,9 @@ class InputPreparer:
             si[:n] = tb.kda[gi][rows]
             si[n:] = -1
         d = self._decode.send(turn, size)
-        return ForwardBatch(d["input_ids"], d["positions"], d["cu_seqlens"], d["seq_lens"], d["block_tables"],
-                            d["slot_mapping"], d["state_indices"], d["has_initial_state"], None, None, None,
-                            d["logits_indices"], is_decode=True)
+        return ForwardBatch(d["input_ids"], d["positions"], d["cu_seqlens"], d["seq_lens"], list(d["block_tables"]),
+                            list(d["slot_mapping"]), list(d["state_indices"]), d["has_initial_state"], None, None,
+                            None, d["logits_indices"], is_decode=True)
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         chunks = sched.chunks
