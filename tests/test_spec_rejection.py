@@ -11,7 +11,7 @@ import torch
 from k3serve.sampling_params import SamplingParams
 from k3serve.workers.engine.spec import rejection_sampler as rs
 from k3serve.workers.engine.spec.rejection_sampler import RejectionSampler, greedy_verify
-from k3serve.workers.sampler import Sampler, SamplingState
+from k3serve.workers.sampler import Sampler, SamplingState, make_generator
 
 torch.set_num_threads(1)
 
@@ -159,22 +159,28 @@ def _prefixes(n):
 
 
 def _target_dist(logits, params):
-    """The plain Sampler's distribution for one row: temperature, then top-k (no ties here)."""
+    """The plain Sampler's distribution for one row: temperature, then top-k, then top-p (no ties here)."""
     x = logits / params.temperature
     if params.top_k:
         kth = x.topk(params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        p, order = torch.softmax(x, dim=-1).sort(descending=True)
+        before = torch.cumsum(p, 0) - p  # mass of the strictly more likely tokens
+        drop = order[before >= params.top_p]
+        x = x.clone()
+        x[drop] = float("-inf")
     return torch.softmax(x, dim=-1)
 
 
-def _spec_generate(params, proposer, seed):
+def _spec_generate(params, proposer, seed, seeded=False):
     """N sequences of >= L tokens with speculation; proposer: 'sampled' (drafts drawn from q,
     probabilities passed) or 'onehot' (deterministic drafts, no probabilities)."""
     target, draft_logits = _table(1, 1.5), _table(2, 1.0)
     sampler = RejectionSampler(Sampler(seed=seed))
     g = torch.Generator().manual_seed(seed + 1)
     seqs = [[] for _ in range(N)]
-    states = [SamplingState(params, [0], [], None) for _ in range(N)]
+    states = [SamplingState(params, [0], [], make_generator(seed * N + i) if seeded else None) for i in range(N)]
     while True:
         live = [i for i in range(N) if len(seqs[i]) < L]
         if not live:
@@ -221,12 +227,13 @@ def _chi_square_pvalue(samples, params):
                                               torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("proposer,params", [
-    ("sampled", SamplingParams(temperature=1.0)),
-    ("onehot", SamplingParams(temperature=0.7, top_k=3)),
+@pytest.mark.parametrize("proposer,params,seeded", [
+    ("sampled", SamplingParams(temperature=1.0), False),
+    ("onehot", SamplingParams(temperature=0.7, top_k=3), False),
+    ("sampled", SamplingParams(temperature=1.3, top_p=0.85), True),  # per-request generators
 ])
-def test_speculative_sampling_preserves_target_distribution(proposer, params):
-    pvalue = _chi_square_pvalue(_spec_generate(params, proposer, seed=123), params)
+def test_speculative_sampling_preserves_target_distribution(proposer, params, seeded):
+    pvalue = _chi_square_pvalue(_spec_generate(params, proposer, seed=123, seeded=seeded), params)
     assert pvalue > 1e-3, pvalue
 
 
