@@ -136,6 +136,8 @@ def test_two_node_group_greedy_equals_single_rank_and_reference(tmp_path_factory
             m = node.wait_line(r"node 1 of 2 ready ranks=\[([\d, ]+)\].*metrics=(\S+)")
             assert [int(x) for x in m.group(1).split(",")] == list(range(tp // 2, tp))
             assert httpx.get(m.group(2) + "/health", timeout=5).status_code == 200
+            metrics = httpx.get(m.group(2) + "/metrics", timeout=5).text
+            assert re.search(rf"^k3serve_node_ranks_ready {tp // 2}\.0$", metrics, re.M), metrics
             got = [t for r in rounds for t in engine_outputs(llm, r, MAX_NEW)]
             stats = llm.engine.stats()
             bound = _listeners(_tree(os.getpid()) | _tree(node.p.pid))

@@ -121,6 +121,9 @@ CATALOG: tuple[MetricSpec, ...] = (
                _M, _W),
     MetricSpec("k3serve_kv_store_wait_max_seconds", "gauge",
                "Longest time a request waited on one store call (bounded by the store deadline).", _M, _W),
+    # --- a non-leader node of a multi-node group (workers/engine/parallel/node_process.py) ---
+    MetricSpec("k3serve_node_ranks_ready", "gauge",
+               "Ranks of this non-leader node that have loaded their shard and are alive.", (), ("node",)),
     # --- router ---
     MetricSpec("k3serve_router_requests", "counter", "Requests received by the gateway.",
                ("model_name", "endpoint", "status"), _R),

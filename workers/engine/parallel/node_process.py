@@ -4,7 +4,7 @@ renders the same command on every pod of a group; docs/components.md).
 The node process serves no gRPC: it spawns its ranks (one process each, workers/engine/parallel/nodes.py
 for the layout), each of which connects to the leader, gets its RankSpec there, loads its shard and
 executes the steps rank 0 sends. The node process serves `/health` and `/ready` on `--metrics-port`
-(200 while all its ranks live and have loaded, else 503) and exits when one of them exits: 0 when the
+(200 while all its ranks live and have loaded, else 503) and `/metrics` (k3serve_node_ranks_ready) and exits when one of them exits: 0 when the
 leader stopped the group, 1 otherwise (the leader gone or silent, a rank that failed), after stopping
 the others. SIGTERM / SIGINT (a group's pods are stopped together) give the leader STOP_GRACE_S to stop
 the group itself, so the leader sees no lost rank; then the ranks are killed; the exit status is 0.
@@ -66,8 +66,10 @@ class _Health(http.server.BaseHTTPRequestHandler):
             body = b'{"status":"ok"}' if ok else b'{"status":"unhealthy"}'
             self.send_response(200 if ok else 503)
             ctype = "application/json"
-        elif self.path.split("?")[0] == "/metrics":  # this node's ranks export no metrics of their own yet
-            body, ctype = b"", "text/plain; version=0.0.4"
+        elif self.path.split("?")[0] == "/metrics":  # k3serve/common/metrics_catalog.py, component "node"
+            import prometheus_client
+
+            body, ctype = prometheus_client.generate_latest(self.state["registry"]), prometheus_client.CONTENT_TYPE_LATEST
             self.send_response(200)
         else:
             body, ctype = b'{"error":"not found"}', "application/json"
@@ -99,7 +101,14 @@ def run_node(args, msock) -> int:
     def healthy() -> bool:
         return len(loaded) == len(ranks) and all(p.exitcode is None for _r, p, _c in ranks)
 
-    handler = type("Health", (_Health,), {"state": {"ok": healthy}})
+    import prometheus_client
+
+    from k3serve.common.metrics_catalog import build
+
+    registry = prometheus_client.CollectorRegistry()
+    build(registry, "node")["k3serve_node_ranks_ready"].set_function(
+        lambda: sum(1 for r, p, _c in ranks if r in loaded and p.exitcode is None))
+    handler = type("Health", (_Health,), {"state": {"ok": healthy, "registry": registry}})
     server = http.server.ThreadingHTTPServer(msock.getsockname()[:2], handler, bind_and_activate=False)
     server.socket.close()
     server.socket = msock
