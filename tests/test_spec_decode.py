@@ -282,3 +282,60 @@ def test_sampling_with_speculation_is_seeded_and_bounded(tmp_path_factory):
     assert all(len(t) == 12 and all(0 <= x < cfg.vocab_size for x in t) for o in a for t in o)
     st = llm.engine.stats()
     assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / "models" / "k3-demo-stdlib" / "config.json").exists(),
+                    reason="demo model not in the tree")
+def test_structured_output_and_stop_strings_with_speculation():
+    """A grammar-constrained request (the rejection sampler masks each verified position with the grammar
+    advanced by the drafts before it) and a stop string met inside an accepted run: greedy output equals
+    the engine without speculation (the trained demo model, float64, ngram drafts)."""
+    import json
+
+    from k3serve.workers.model.paths import DEMO_MODEL_DIR
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    prompt = "def f(x):\n    return {'name': 'x', 'n': 1}\n\n\ndef g(x):\n    return {'name': 'x', 'n': 1}\n"
+    base = LLM(str(DEMO_MODEL_DIR), dtype="float64", max_model_len=512)
+    spec = LLM(str(DEMO_MODEL_DIR), dtype="float64", max_model_len=512,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    so = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": schema})
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    runs: list[tuple[int, int, bool]] = []  # (output length before, tokens in the step's run, truncated)
+    orig = spec.engine._process_run
+
+    def record(s, toks, lps, now):
+        n0 = len(s.req.output_token_ids) - len(toks)
+        orig(s, toks, lps, now)
+        if s.req.params.structured_outputs is None:
+            runs.append((n0, len(toks), len(s.req.output_token_ids) - n0 < len(toks)))
+
+    spec.engine._process_run = record
+    want = base.generate([prompt, prompt], [so, plain])
+    got = spec.generate([prompt, prompt], [so, plain])
+    # a stop string that first appears with a token that is not the last of its step's accepted run
+    ids, tok = want[1].outputs[0].token_ids, spec.tokenizer
+    cands = [n0 + j for n0, n, _t in runs for j in range(n - 1)]
+    stop = None
+    for i in cands:
+        before, upto = tok.decode(ids[:i]), tok.decode(ids[:i + 1])
+        if len(upto) == len(before):
+            continue
+        # the shortest suffix of the text up to token i that does not occur before it: first complete at i
+        stop = next((upto[-m:] for m in range(2, 16) if upto[-m:].strip() and upto[-m:] not in before), None)
+        if stop is not None:
+            break
+    assert stop is not None, runs
+    stopped = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    want.append(base.generate(prompt, stopped)[0])
+    runs.clear()
+    got.append(spec.generate(prompt, stopped)[0])
+    assert any(t for _n0, _n, t in runs), "the stop string did not cut an accepted run"
+    for w, g in zip(want, got):
+        assert (g.outputs[0].token_ids, g.outputs[0].text, g.outputs[0].finish_reason) == (
+            w.outputs[0].token_ids, w.outputs[0].text, w.outputs[0].finish_reason)
+    json.loads(got[0].outputs[0].text)
+    assert got[2].outputs[0].finish_reason == "stop" and stop not in got[2].outputs[0].text
+    assert spec.engine.stats()["spec_decode_num_accepted_tokens"] > 0
