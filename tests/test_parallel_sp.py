@@ -4,7 +4,8 @@ stream, MoE by all-to-all (workers/engine/parallel/moe_a2a.py), on CPU ranks (gl
 Greedy float64 tokens equal the single-rank engine's and the reference forward's on random configs
 (AttnRes with its block state per shard, MXFP4, LatentMoE with shared experts, dense layers), with
 prefix caching (a second round hits the cache) and chunked prefill (16-token steps), and the steps
-include token counts not divisible by the rank count (pad rows); the collectives issued are the SP ones.
+include token counts not divisible by the rank count (pad rows) and steps with fewer tokens than ranks
+(the replicated TP step: a last round of one request decodes alone); the collectives issued are the SP ones.
 The random models are often confident (greedy tokens hide small errors), so the top-4 logprobs of every
 generated position must also equal the single-rank engine's to 1e-9 (float64: only the order of the
 additions differs).
@@ -47,7 +48,8 @@ def test_sp_greedy_equals_single_rank_and_reference(tmp_path_factory, monkeypatc
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned ranks: one thread each, not all cores each
     cfg = random_config(seed)
     d = random_model_dir(tmp_path_factory.getbasetemp(), seed)
-    rounds = _prompts(seed, cfg.vocab_size)
+    first, second = _prompts(seed, cfg.vocab_size)
+    rounds = (first, second, [first[0][:7]])
     ref = reference_outputs(d, [p for r in rounds for p in r], MAX_NEW)
     single, single_lp = _run(LLM(str(d), **OPTS), rounds)
     llm = LLM(str(d), tensor_parallel_size=tp, enable_expert_parallel=True, enable_sequence_parallel=True, **OPTS)
@@ -66,7 +68,8 @@ def test_sp_greedy_equals_single_rank_and_reference(tmp_path_factory, monkeypatc
     assert got == single == ref
     assert_logprobs_close(got_lp, single_lp)
     assert stats["prefix_cache_hits"] > 0
-    assert any(t % tp for t in sizes) and any(t > 1 for t in sizes)  # ragged steps, prefill chunks
+    assert any(t > tp and t % tp for t in sizes)  # ragged sharded steps (pad rows on the last ranks)
+    assert any(t < tp for t in sizes)  # steps too small to shard: the replicated TP path
     names = {name for name, _shape, _item in log}
     assert {"reduce_scatter", "all_gather", "all_to_all"} <= names
     assert not multiprocessing.active_children()

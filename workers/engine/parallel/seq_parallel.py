@@ -20,6 +20,11 @@ tensor_parallel_size > 1 and enable_expert_parallel):
 * the LM head: each rank contributes the final-normed rows it owns among `logits_indices` (zeros
   elsewhere), one all-reduce of [S, H] assembles them, then the vocab-parallel head as in TP.
 
+A step with fewer tokens than ranks (a small decode batch: some ranks would own only pad rows, and the
+step's latency is the number of collectives, not their bytes) runs the replicated TP step instead
+(layers.py: all-reduces), its MoE through the local experts and one all-reduce of the routed partial
+(the shared experts, replicated, are added after it).
+
 The inherited forward runs unchanged: it sees a batch whose `logits_indices` are all of its local rows,
 and the overrides below add the collectives. Float64 sums differ from the single-rank forward only in
 the order of additions (greedy tokens are compared in tests/test_parallel_sp.py).
@@ -45,6 +50,7 @@ class SequenceParallelK3ForwardModel(ParallelK3ForwardModel):
         super().__init__(config, weights, layout, kv, dtype, group=group, plan=plan)
         self._T = self._s = 0
         self._logits_indices = None
+        self._sharded = True  # this step: token shards (else the replicated TP step)
 
     # -- the token shard ------------------------------------------------------------------------
     def _pad(self, t: torch.Tensor) -> torch.Tensor:
@@ -63,6 +69,9 @@ class SequenceParallelK3ForwardModel(ParallelK3ForwardModel):
     @torch.inference_mode()
     def forward(self, b):
         T = b.input_ids.shape[0]
+        self._sharded = T >= self.group.size
+        if not self._sharded:
+            return super().forward(b)
         self._T, self._s = T, -(-T // self.group.size)
         self._logits_indices = b.logits_indices
         local = dataclasses.replace(b, logits_indices=torch.arange(self._s, device=b.logits_indices.device))
@@ -70,6 +79,8 @@ class SequenceParallelK3ForwardModel(ParallelK3ForwardModel):
 
     # -- the layers -----------------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self._sharded:
+            return super()._embed(ids)
         w = self.w["model.embed_tokens.weight"]
         local = ids - self.plan.vocab_start
         mine = (local >= 0) & (local < w.shape[0])
@@ -77,11 +88,15 @@ class SequenceParallelK3ForwardModel(ParallelK3ForwardModel):
         return self._scatter(torch.where(mine[:, None], rows, torch.zeros((), dtype=self.dtype)))
 
     def _attn(self, i: int, x: torch.Tensor, b) -> torch.Tensor:
+        if not self._sharded:
+            return super()._attn(i, x, b)
         return self._scatter(K3ForwardModel._attn(self, i, self._gather(x)[: self._T], b))
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.is_moe_layer(i):
             return self._moe(i, x)
+        if not self._sharded:
+            return super()._mlp(i, x)
         return self.group.reduce_scatter(K3ForwardModel._mlp(self, i, self._gather(x)))
 
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -93,17 +108,20 @@ class SequenceParallelK3ForwardModel(ParallelK3ForwardModel):
             num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
             renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
             scoring=cfg.router_activation)
-        real = self._T - self.group.rank * self._s  # rows of this shard below T (the rest are pad)
-        if real < x.shape[0]:
-            ids = ids.clone()
-            ids[max(real, 0):] = -1
         parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
         z = parts.pop(0) if cfg.routed_expert_hidden_size else x
-        d = dispatch(self.group, z, weights, ids, self.plan.expert_map)
-        out = ops.moe_experts(d.tokens, d.weights, d.slots, w13=w["experts.w13"], w2=w["experts.w2"],
-                              activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
-                              situ_linear_beta=cfg.situ_linear_beta)
-        r = combine(self.group, d, out)
+        ex = dict(w13=w["experts.w13"], w2=w["experts.w2"], activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
+                  situ_linear_beta=cfg.situ_linear_beta)
+        if self._sharded:
+            real = self._T - self.group.rank * self._s  # rows of this shard below T (the rest are pad)
+            if real < x.shape[0]:
+                ids = ids.clone()
+                ids[max(real, 0):] = -1
+            d = dispatch(self.group, z, weights, ids, self.plan.expert_map)
+            r = combine(self.group, d, ops.moe_experts(d.tokens, d.weights, d.slots, **ex))
+        else:  # replicated tokens: this rank's experts (logical -> its slots, -1 elsewhere), one all-reduce
+            ids = torch.where(ids >= 0, self.expert_index[ids.clamp(min=0)], -1)
+            r = self.group.all_reduce(ops.moe_experts(z, weights, ids, **ex))
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
                 r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
@@ -114,6 +132,8 @@ class SequenceParallelK3ForwardModel(ParallelK3ForwardModel):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """`h` [s, H]: this rank's final-normed rows; the rows of `logits_indices`, assembled, to the head."""
+        if not self._sharded:
+            return super()._logits(h)
         idx = self._logits_indices
         owner, row = idx // self._s, idx % self._s
         mine = owner == self.group.rank
