@@ -13,15 +13,14 @@ import subprocess
 import time
 
 import pytest
+import ray  # pinned in constraints.txt, installed by scripts/install.sh
 from _engine_helpers import engine_outputs, random_model_dir, reference_outputs
 
-ray = pytest.importorskip("ray")
-
-from k3serve.sampling_params import SamplingParams  # noqa: E402
-from k3serve.workers.engine.parallel import ray_launcher  # noqa: E402
-from k3serve.workers.engine.parallel.launcher import RankFailedError  # noqa: E402
-from k3serve.workers.llm import LLM  # noqa: E402
-from k3serve.workers.model.testing import random_config  # noqa: E402
+from k3serve.sampling_params import SamplingParams
+from k3serve.workers.engine.parallel import ray_launcher
+from k3serve.workers.engine.parallel.launcher import RankFailedError
+from k3serve.workers.llm import LLM
+from k3serve.workers.model.testing import random_config
 
 MAX_NEW = 4
 OPTS = dict(dtype="float64", skip_tokenizer_init=True, enable_prefix_caching=True, max_num_batched_tokens=16,
