@@ -181,17 +181,37 @@ def test_prefill_ranks_listen_on_loopback_only(pair):
 
 
 def test_killed_prefill_rank_exits_the_worker_and_decode_recomputes(pair, model, vocab):
-    """Last in the module: it ends the prefill worker."""
+    """Last in the module: it ends the prefill worker. Rank 1 dies while the group computes a prefill hop
+    (stopped first, so the hop is surely inside a collective): that call fails instead of hanging, the worker
+    exits non-zero within 10 s, and a decode request holding parameters from before recomputes."""
+    import threading
+
     p, d = pair["P"], pair["D"]
     prompt = [t % vocab for t in range(7, 60)]
     want = reference_outputs(model, [prompt], 5)[0]
     kvp = prefill_hop(p, "kill-p", prompt, 5)
     (rank1,) = _rank_pids(p.proc.pid)
+    os.kill(rank1, signal.SIGSTOP)
+    hop = {}
+
+    def in_flight():
+        try:
+            prefill_hop(p, "kill-during-p", [t % vocab for t in range(3, 90)], 5)
+            hop["outcome"] = "answered"
+        except grpc.RpcError as e:
+            hop["outcome"] = e.code()
+        hop["t"] = time.monotonic()
+
+    th = threading.Thread(target=in_flight, daemon=True)
+    th.start()
+    time.sleep(1.0)  # the hop is waiting for rank 1 inside the step's collectives
     t0 = time.monotonic()
     os.kill(rank1, signal.SIGKILL)
-    # the next thing the worker's engine does notices: an idle engine checks its ranks too
     rc = p.proc.wait(timeout=10)
     assert rc != 0 and time.monotonic() - t0 < 10
+    th.join(10)
+    assert hop.get("outcome") not in (None, "answered"), hop  # an error status, not a hang or an answer
+    assert hop["t"] - t0 < 10
     toks, res = decode_hop(d, "kill", prompt, 5, kvp)
     assert toks == want and res["outcome"] == "recomputed", res
     assert res["reason"] in ("transfer_failed", "peer_unreachable", "timeout"), res
