@@ -11,11 +11,14 @@ for the call order and the commit contract):
   buffers record the correction u_t (state dtype), the key k_t and raw gate (activation dtype) and
   the raw conv input (activation dtype). Every other row of the batch (prefills, plain decodes) goes
   through rollback.default_kda_mix unchanged.
-* Commit (`commit(row, accepted_len, snapshots)`): fold the accepted prefix into the running block:
-  state = S0 decayed + the accepted corrections (`kda_recover_fold`), conv window = the last K-1 raw
-  inputs of [window | accepted inputs] (`conv_window_fold`). A rejected draft costs nothing extra:
-  it is only a shorter fold. A retained prefix-cache boundary crossed inside the accepted run gets
-  the fold of ITS length written into its block (the exact snapshot).
+* Commit (`commit(row, accepted_len, snapshots)`): fold the accepted prefix into the running block,
+  per KDA layer one `kda_recover_commit` (kernels/kda_recover.py: the gate recomputed from the
+  recorded raw gate, state = S0 decayed + the accepted corrections, conv window = the last K-1 raw
+  inputs of [window | accepted inputs]). A rejected draft costs nothing extra: it is only a shorter
+  fold. A retained prefix-cache boundary crossed inside the accepted run gets the fold of ITS length
+  written into its block (the exact snapshot), in the same call.
+* Conv rows: the design's (K-1+k)-row conv buffer is, here, the K-1 rows of the running block's
+  window (in the page, unchanged by the verify) plus the T raw inputs of the side buffer.
 
 The side buffers live outside the paged KV cache (sized by max_num_seqs and the KDA layers, not by
 the pool), so the page layout that P/D and the store exchange is unchanged. Per request and KDA
