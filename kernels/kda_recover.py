@@ -10,7 +10,7 @@ After sampling, the accepted prefix of c tokens is folded into the checkpoint:
 which is exactly the state the recurrence reaches after c tokens (a rejected draft is only a smaller
 c). The conv window after c tokens is the last K-1 raw inputs of [history | x_1..x_c].
 
-Plain PyTorch (any device); math in fp32, fp64 when any input is fp64, like kernels/reference.
+The reference path is plain PyTorch (any device); math in fp32, fp64 when any input is fp64, like kernels/reference.
 State pools are [num_slots, H, V, K] ([v][k]) and conv pools [num_slots, C, K-1], as in the reference
 ops. Record tensors are padded per request row: [R, Tmax, H, *] (token-major like the [T, H, *] inputs).
 
