@@ -22,8 +22,9 @@ ranks (the log records those).
    (sigmoid top-16, renormalized) over random logits, the all-gather before the next QKV. The experts are
    not computed (no 896 experts are loaded): the combine sends back rows of the received shape, which is
    what the expert output is. Mean and max over the ranks; "vs the claim" = whether TEP+SP moves less.
-3. CPU overhead: wall time per decode step (one running request) and per prefill step (--tokens tokens) of
-   the random model on 1 rank vs TP+EP and TEP+SP on 2 and 4 ranks, in the same run, every rank with
+3. CPU overhead: wall time per decode step (as many running requests as the most ranks, so TEP+SP shards
+   them: a step with fewer tokens than ranks runs the replicated TP step) and per prefill step (--tokens
+   tokens) of the random model on 1 rank vs TP+EP and TEP+SP on 2 and 4 ranks, in the same run, every rank with
    --threads torch threads (default 1, set through OMP_NUM_THREADS before torch loads, so the spawned ranks
    inherit it: ranks that each take every core oversubscribe them, and OpenMP then runs 10-40x slower on a
    loaded 2-core machine). The ranks share this machine's few cores and talk over loopback gloo, so the
@@ -235,11 +236,13 @@ def _opts(tokens: int) -> dict:
                 max_model_len=max(tokens + 64, 256))
 
 
-def _decode_step_time(llm, prompt: list[int], steps: int) -> float:
+def _decode_step_time(llm, prompt: list[int], steps: int, batch: int) -> float:
     from k3serve.sampling_params import SamplingParams
 
     eng = llm.engine
-    eng.add_request("bench", prompt, SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True))
+    for r in range(batch):
+        eng.add_request(f"bench-{r}", [(t + r) % 50 for t in prompt],
+                        SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True))
     eng.step()  # prefill
     eng.step()
     times = []
@@ -278,11 +281,11 @@ def overhead(d: Path, cfg, tokens: int, steps: int, ranks: list[int]) -> None:
         layouts += [(f"TP+EP {n}", n, dict(tensor_parallel_size=n, enable_expert_parallel=True)),
                     (f"TEP+SP {n}", n, dict(tensor_parallel_size=n, enable_expert_parallel=True,
                                             enable_sequence_parallel=True))]
-    rows = []
+    rows, batch = [], max([1, *ranks])
     for label, n, extra in layouts:
         llm = LLM(str(d), **extra, **opts)
         try:
-            dec = _decode_step_time(llm, prompt[:16], steps)
+            dec = _decode_step_time(llm, prompt[:16], steps, batch)
             pre = _prefill_step_time(llm, prompt, max(3, steps // 2))
         finally:
             if n > 1:
@@ -293,7 +296,7 @@ def overhead(d: Path, cfg, tokens: int, steps: int, ranks: list[int]) -> None:
 
     print(f"\n3. CPU overhead per step, random_config({SEED}), same run ({os.cpu_count()} CPUs shared by all ranks, "
           f"{torch.get_num_threads()} torch thread(s) per rank: noisy, a CPU/gloo figure)")
-    print_table(["layout", "ranks", "decode ms/step", "ratio vs 1 rank", f"{tokens}-token prefill ms",
+    print_table(["layout", "ranks", f"decode ms/step ({batch} req)", "ratio vs 1 rank", f"{tokens}-token prefill ms",
                  "ratio vs 1 rank"],
                 [[lab, n, dec, dec / one_dec, pre, pre / one_pre] for lab, n, dec, pre in rows])
 
