@@ -13,7 +13,9 @@ heads), so the inherited layer code runs unchanged on local shapes; this class a
   intermediate slice) and its slice of the shared experts; ONE all-reduce of [latent partial | shared
   partial] combines both, and then the latent norm and the up-projection run replicated. With the
   tokens already replicated by TP attention, the dispatch of expert parallelism is the identity and its
-  combine is this all-reduce (the all-to-all form applies once tokens are sharded: not done yet).
+  combine is this all-reduce. The all-to-all form (workers/engine/parallel/moe_a2a.py) applies once the
+  tokens are sharded: sequence-parallel TEP (workers/engine/parallel/seq_parallel.py, a subclass of this
+  one) and data-parallel attention (workers/engine/parallel/dp_model.py).
 """
 
 from __future__ import annotations
