@@ -7,7 +7,8 @@ Columns: op, shape, ours (µs), baseline (µs) and which baseline, baseline/ours
 (bytes that must move / our time, or FLOPs / our time) and its fraction of the ceiling measured at the
 start of the same run (device copy bandwidth counting read + write; bf16 matmul rate on random data),
 the target from the issue and whether it is met. Baselines: FLA (`chunk_kda`, `fused_recurrent_kda`,
-from the fla-core wheel if importable) for KDA; eager PyTorch (the reference ops on the GPU) otherwise;
+from the fla-core wheel if importable) for KDA; cuBLAS (F.linear) for the one-row projections; eager PyTorch
+(the reference ops on the GPU) otherwise;
 for MXFP4 MoE the plain "dequantize each active expert to bf16, one matmul per expert" loop.
 Timings: medians of `triton.testing.do_bench` (CUDA events) after warm-up, inputs rotated where they
 would fit in L2. Sections run in priority order; rows past --budget-s are reported as skipped.
@@ -238,6 +239,33 @@ def attn_res_rows(out, Ts, D=7168, n=8):
              target="≥80% bw", met=(nbytes / (t_o * 1e-6)) / CEIL["bw"] >= 0.8, out=out)
 
 
+# ------------------------------------------------------------------ one-row projections (skinny GEMM)
+def linear_rows(out, shapes=((2048, 2048), (8336, 2048), (2048, 1024), (7168, 8192))):
+    """ops.linear at M=1 (kernels/triton/gemv.py) vs cuBLAS (F.linear): the small preset's o_proj, merged KDA
+    input projection and latent up-projection, and a K3-sized o_proj; weights rotated past the L2."""
+    import torch.nn.functional as F
+
+    for N, K in shapes:
+        nbytes = N * K * 2
+        R = max(2, min(32, (512 << 20) // nbytes))
+        ws = [torch.randn(N, K, device=DEV, dtype=BF) for _ in range(R)]
+        x = torch.randn(1, K, device=DEV, dtype=BF)
+        it = [0]
+
+        def ours():
+            it[0] = (it[0] + 1) % R
+            ops.linear(x, ws[it[0]])
+
+        def cublas():
+            it[0] = (it[0] + 1) % R
+            F.linear(x, ws[it[0]])
+
+        t_o, t_b = bench(ours), bench(cublas)
+        emit("linear M=1", f"N={N} K={K}", t_o, t_b, "cuBLAS (F.linear)", (nbytes + 2 * (N + K)) / (t_o * 1e-6),
+             out=out)
+        ws.clear()
+
+
 # ------------------------------------------------------------------ MLA decode
 def mla_rows(out, cases, ctx=32768, bs=64):
     L, R = 512, 64
@@ -297,7 +325,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few small shapes only")
     ap.add_argument("--tsv", default=None)
     ap.add_argument("--only", nargs="+", default=None, metavar="SECTION",
-                    help="run only these sections (kda-decode kda-decode-graph mla attn_res moe "
+                    help="run only these sections (linear kda-decode kda-decode-graph mla attn_res moe "
                          "kda-prefill)")
     ap.add_argument("--prefill-heads", type=int, nargs="+", default=None)
     ap.add_argument("--prefill-T", type=int, nargs="+", default=None)
@@ -311,6 +339,7 @@ def main():
     q = args.quick
     print(" | ".join(HEAD), flush=True)
     sections = [
+        ("linear", lambda: linear_rows(out, ((2048, 2048),)) if q else linear_rows(out)),
         ("kda decode", lambda: kda_decode_rows(fla_rec, out, [32] if q else [12, 32, 96], [1, 256] if q else [1, 32, 256])),
         ("kda decode graph", lambda: kda_decode_graph_rows(out, [32] if q else [12, 32, 96])),
         ("mla", lambda: mla_rows(out, [(32, 1)] if q else [(12, 1), (32, 1), (96, 1), (32, 32), (96, 32)])),
