@@ -8,7 +8,7 @@ include token counts not divisible by the rank count (pad rows) and steps with f
 (the replicated TP step: a last round of one request decodes alone); the collectives issued are the SP ones.
 The random models are often confident (greedy tokens hide small errors), so the top-4 logprobs of every
 generated position must also equal the single-rank engine's to 1e-9 (float64: only the order of the
-additions differs).
+additions differs). A permuted (EPLB-style) expert placement gives the single rank's logits, step by step.
 """
 
 from __future__ import annotations
@@ -80,3 +80,62 @@ def test_sp_without_expert_parallel_is_a_clear_error(tmp_path_factory):
     with pytest.raises(ValueError, match="enable_sequence_parallel needs enable_expert_parallel"):
         LLM(str(d), tensor_parallel_size=2, enable_sequence_parallel=True, **OPTS)
     assert not multiprocessing.active_children()  # refused before any rank started
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp-ep-allreduce", "tep-sp-all-to-all"])
+def test_permuted_expert_map_gives_the_same_logits(tmp_path_factory, sp):
+    """A rebalanced (EPLB-style) logical -> physical expert placement: the single-rank engine's step plans
+    (prefix caching, chunked prefill) replayed on 2 ranks (threads, real gloo) whose experts sit in a
+    random permutation give the single rank's logits (float64), with the routed experts expert-parallel
+    by all-reduce (TP+EP) and by all-to-all (TEP+SP)."""
+    import copy
+    import dataclasses
+    import random
+
+    import torch
+    from test_parallel_a2a import run_ranks
+
+    from k3serve.workers.engine.cache_layout import plan_cache_layout
+    from k3serve.workers.engine.parallel.launcher import ParallelModelRunner
+    from k3serve.workers.engine.parallel.shard import ExpertMap, ShardPlan, shard_weights
+    from k3serve.workers.model.loader import load_model_weights
+
+    seed, n = 64, 2
+    d = random_model_dir(tmp_path_factory.getbasetemp(), seed)
+    llm = LLM(str(d), **OPTS)
+    runner, steps = llm.engine.runner, []
+    execute = runner.execute
+
+    def record(sched):
+        out = execute(sched)
+        steps.append((copy.deepcopy(sched), None if out is None else out.clone()))
+        return out
+
+    runner.execute = record
+    first, second = _prompts(seed, llm.engine.model_config.vocab_size)
+    for prompts in (first, second):
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    cfg, weights = load_model_weights(str(d), dtype=torch.float64, device="cpu")
+    perm = list(range(cfg.num_experts))
+    random.Random(seed).shuffle(perm)
+    per = cfg.num_experts // n
+    emap = ExpertMap(cfg.num_experts, tuple(tuple(perm[r * per:(r + 1) * per]) for r in range(n)))
+    assert emap != ExpertMap.contiguous(cfg.num_experts, n)
+    layout = plan_cache_layout(cfg, torch.float64, 16, tp_size=n)
+    eng = llm.engine
+
+    def rank(group):
+        plan = dataclasses.replace(ShardPlan.make(cfg, group.rank, n, True, sp), expert_map=emap)
+        rank_cfg, shard = shard_weights(cfg, weights, plan, torch.float64)
+        r = ParallelModelRunner(rank_cfg, shard, layout, eng.num_blocks, torch.float64, group=group, plan=plan,
+                                max_num_batched_tokens=OPTS["max_num_batched_tokens"],
+                                max_num_seqs=eng.args.max_num_seqs, max_model_len=eng.max_model_len)
+        return [r.execute(copy.deepcopy(sched)) for sched, _ in steps]
+
+    got = run_ranks(n, rank)[0]
+    assert len(steps) > 4 and any(want is not None and want.shape[0] > 1 for _, want in steps)
+    for (_sched, want), logits in zip(steps, got, strict=True):
+        if want is None:
+            assert logits is None
+        else:
+            torch.testing.assert_close(logits, want, rtol=0, atol=1e-9)
