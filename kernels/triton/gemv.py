@@ -70,12 +70,15 @@ def supported(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None =
     """True when this kernel takes the call: 2-D x with one row (or up to MAX_ROWS rows with a weight of at most
     SMALL_WEIGHT_BYTES) and unit column stride, a 2-D weight with unit column stride, fp16/bf16/fp32 operands and
     compute dtype, K a multiple of 8 (16-byte rows), on CUDA (or on the CPU under the Triton interpreter)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:  # first: the prefill-sized calls leave here
+        return False
+    M = x.shape[0]
+    if M > 1 and weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES:
+        return False
     dt = dtype or x.dtype
     on = x.is_cuda or (interpreting() and x.device.type == "cpu")
-    M = x.shape[0] if x.dim() == 2 else 0
-    rows_ok = M == 1 or (1 < M <= MAX_ROWS and weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES)
-    return (on and weight.device == x.device and x.dim() == 2 and weight.dim() == 2
-            and rows_ok and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
+    return (on and weight.device == x.device and weight.dim() == 2
+            and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
             and x.dtype in TL_DTYPE and weight.dtype in TL_DTYPE and dt in TL_DTYPE
             and (x.stride(1) == 1 or x.shape[1] == 1) and weight.stride(1) == 1)
 
