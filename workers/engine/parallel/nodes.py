@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 STEP_PORT_KEY = "k3serve/step-port"
 HEARTBEAT_S = 1.0
+SEND_TIMEOUT_S = 3.0
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("K3SERVE_NODE_HEARTBEAT_TIMEOUT_S", "5"))
 # how long the leader waits for the other nodes' ranks to connect, and they for the leader (pods start apart)
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("K3SERVE_RENDEZVOUS_TIMEOUT_S", "600"))
@@ -110,9 +112,11 @@ def layout_problem(size: int, nnodes: int, node_rank: int) -> str | None:
     return None
 
 
-def _keepalive(sock: socket.socket) -> None:
+def _bound_waits(sock: socket.socket) -> None:
     """TCP keepalive probes after 5 s idle, every 1 s, 3 lost = dead: a peer cut off mid-frame (no FIN, no
-    heartbeat can arrive while a frame is half read) still fails the read within about 8 s."""
+    heartbeat can arrive while a frame is half read) still fails the read within about 8 s. A send that
+    cannot proceed for SEND_TIMEOUT_S (a frozen peer's buffers full) fails instead of blocking."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, name):
@@ -125,7 +129,7 @@ class _Link:
 
     def __init__(self, sock: socket.socket, peer: str):
         sock.setblocking(True)
-        _keepalive(sock)
+        _bound_waits(sock)
         self.conn = Connection(sock.detach())
         self.peer = peer
         self.lock = threading.Lock()
@@ -168,10 +172,11 @@ class _Link:
 
     def close(self) -> None:
         self.closed = True
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        with self.lock:  # not under a send in flight (bounded by SEND_TIMEOUT_S)
+            try:
+                self.conn.close()
+            except OSError:
+                pass
 
 
 class RemoteRank(_Link):
