@@ -106,3 +106,12 @@ def test_ray_killed_rank_fails_the_next_step(local_ray, tmp_path_factory):
         assert time.monotonic() - t0 < 10
     finally:
         llm.engine.runner.close()
+
+
+def test_ray_group_larger_than_the_cluster_is_a_clear_error(local_ray, tmp_path_factory, monkeypatch):
+    monkeypatch.setattr(ray_launcher, "PLACEMENT_TIMEOUT_S", 1.0)
+    d = random_model_dir(tmp_path_factory.getbasetemp(), 2)  # a config that shards over 4 ranks
+    with pytest.raises(ValueError, match=r"ray: no room for a placement group of 4 one-CPU bundles within 1 s"):
+        LLM(str(d), distributed_executor_backend="ray", enable_expert_parallel=True,
+            **dict(OPTS, tensor_parallel_size=4))
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())

@@ -209,7 +209,7 @@ def start_rank_actors(spec, size: int, owns_ray: bool) -> list[tuple[int, RayRan
         resources = ray.cluster_resources()
         if owns_ray:
             ray.shutdown()
-        raise RuntimeError(f"ray: no room for a placement group of {size} one-CPU bundles within "
+        raise ValueError(f"ray: no room for a placement group of {size} one-CPU bundles within "
                            f"{PLACEMENT_TIMEOUT_S:g} s (ray.cluster_resources(): {resources})")
     group = RayGroup(pg, owns_ray, size - 1)
     actor_class = ray.remote(RankActor)
