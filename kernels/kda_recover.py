@@ -252,11 +252,13 @@ def conv_window_fold(
     conv_states.index_copy_(0, out_slots.to(device=dev, dtype=torch.long), full.gather(2, cols))
 
 
-def kda_recover_commit(
+def kda_recover_commit_rows(
     state_pool: torch.Tensor,
     conv_states: torch.Tensor,
-    s0_slot: int,
-    init: bool,
+    s0_slots: torch.Tensor,
+    inits: torch.Tensor,
+    rec_rows: torch.Tensor,
+    seg: torch.Tensor,
     key_gate: torch.Tensor,
     corrections: torch.Tensor,
     conv_inputs: torch.Tensor,
@@ -268,38 +270,68 @@ def kda_recover_commit(
     *,
     use_qk_l2norm: bool = True,
 ) -> None:
-    """One request's commit at one KDA layer: for each n, the state and conv window after counts[n]
-    tokens of its records go to slot outs[n] of `state_pool` / `conv_states`.
+    """The commit of R requests at one KDA layer: for request r and each entry n in seg[r]..seg[r+1],
+    the state and conv window after counts[n] tokens of record row rec_rows[r] go to slot outs[n] of
+    `state_pool` / `conv_states`.
 
-    s0_slot / init: the request's checkpoint (its running block; zeros when init is False), read before
-    anything is written, so one out slot may be s0_slot itself. key_gate [T, H, 2K] = [k as given to the
-    verify | raw gate before ops.kda_gate(·, A_log, dt_bias, lower_bound)]; corrections [T, H, V] from
-    `kda_recover_verify`; conv_inputs [T, C] raw conv inputs; counts [N] ascending in [0, T]; outs [N]
-    distinct. The reference composes ops.kda_gate, `kda_recover_fold` and `conv_window_fold`; on CUDA
-    it is two Triton launches (gate + fold fused; conv windows).
+    s0_slots / inits [R]: each request's checkpoint (its running block; zeros where inits is False),
+    read before anything of that request is written, so a request's LAST out slot may be its own
+    s0 slot. key_gate [Rb, T, H, 2K] = [k as given to the verify | raw gate before
+    ops.kda_gate(·, A_log, dt_bias, lower_bound)]; corrections [Rb, T, H, V] from `kda_recover_verify`;
+    conv_inputs [Rb, T, C] raw conv inputs; seg [R+1] int offsets into counts / outs [E]; counts
+    ascending in [0, T] within each request; outs distinct. The reference composes ops.kda_gate,
+    `kda_recover_fold` and `conv_window_fold` per request; on CUDA it is two Triton launches for all R.
     """
-    T, H, K2 = key_gate.shape
+    _, T, H, K2 = key_gate.shape
     K = K2 // 2
     V = corrections.shape[-1]
-    if tuple(corrections.shape[:2]) != (T, H) or conv_inputs.shape[0] != T or counts.numel() != outs.numel():
+    R = s0_slots.numel()
+    if tuple(corrections.shape[1:3]) != (T, H) or conv_inputs.shape[1] != T or counts.numel() != outs.numel() \
+            or inits.numel() != R or rec_rows.numel() != R or seg.numel() != R + 1:
         raise ValueError(f"records: key_gate {tuple(key_gate.shape)} corrections {tuple(corrections.shape)} "
-                         f"conv_inputs {tuple(conv_inputs.shape)}; counts {counts.numel()} vs outs {outs.numel()}")
+                         f"conv_inputs {tuple(conv_inputs.shape)}; {R} requests, seg {seg.numel()}, "
+                         f"counts {counts.numel()}, outs {outs.numel()}")
     if not counts.is_cuda:
-        c = counts.tolist()
-        if any(not 0 <= x <= T for x in c) or c != sorted(c):
-            raise ValueError(f"counts must be ascending in [0, {T}]; got {c}")
+        c, bounds = counts.tolist(), seg.tolist()
+        for r in range(R):
+            part = c[bounds[r] : bounds[r + 1]]
+            if any(not 0 <= x <= T for x in part) or part != sorted(part):
+                raise ValueError(f"counts must be ascending in [0, {T}] per request; got {part}")
     tk = _triton(state_pool, key_gate, corrections, K=K, V=V)
     if tk is not None:
-        tk.kda_recover_commit_triton(state_pool, conv_states, s0_slot, init, key_gate, corrections, conv_inputs,
-                                     A_log, dt_bias, lower_bound, counts, outs, use_qk_l2norm=use_qk_l2norm)
+        tk.kda_recover_commit_rows_triton(state_pool, conv_states, s0_slots, inits, rec_rows, seg, key_gate,
+                                          corrections, conv_inputs, A_log, dt_bias, lower_bound, counts, outs,
+                                          use_qk_l2norm=use_qk_l2norm)
         return
     from . import ops
 
-    N = counts.numel()
     dev = state_pool.device
-    g = ops.kda_gate(key_gate[..., K:], A_log, dt_bias, lower_bound)
-    slot = torch.full((N,), int(s0_slot), dtype=torch.long, device=dev)
-    has = torch.full((N,), bool(init), dtype=torch.bool, device=dev)
-    kda_recover_fold(state_pool, slot, has, key_gate[..., :K].expand(N, T, H, K), g.expand(N, T, H, K),
-                     corrections.expand(N, T, H, V), counts, outs, use_qk_l2norm=use_qk_l2norm)
-    conv_window_fold(conv_states, slot, has, conv_inputs.expand(N, T, conv_inputs.shape[1]), counts, outs)
+    bounds = [int(b) for b in seg.tolist()]
+    slots, has, recs = s0_slots.tolist(), [bool(v) for v in inits.tolist()], rec_rows.tolist()
+    for r in range(R):
+        e0, e1 = bounds[r], bounds[r + 1]
+        N = e1 - e0
+        if N == 0:
+            continue
+        kg = key_gate[recs[r]]
+        g = ops.kda_gate(kg[..., K:], A_log, dt_bias, lower_bound)
+        slot = torch.full((N,), int(slots[r]), dtype=torch.long, device=dev)
+        init = torch.full((N,), has[r], dtype=torch.bool, device=dev)
+        kda_recover_fold(state_pool, slot, init, kg[..., :K].expand(N, T, H, K), g.expand(N, T, H, K),
+                         corrections[recs[r]].expand(N, T, H, V), counts[e0:e1], outs[e0:e1],
+                         use_qk_l2norm=use_qk_l2norm)
+        conv_window_fold(conv_states, slot, init, conv_inputs[recs[r]].expand(N, T, conv_inputs.shape[2]),
+                         counts[e0:e1], outs[e0:e1])
+
+
+def kda_recover_commit(state_pool, conv_states, s0_slot: int, init: bool, key_gate, corrections, conv_inputs,
+                       A_log, dt_bias, lower_bound, counts, outs, *, use_qk_l2norm: bool = True) -> None:
+    """`kda_recover_commit_rows` for one request: key_gate [T, H, 2K], corrections [T, H, V],
+    conv_inputs [T, C]; counts / outs [N] (counts ascending; the last out may be s0_slot)."""
+    dev = state_pool.device
+    lt = dict(dtype=torch.long, device=dev)
+    kda_recover_commit_rows(state_pool, conv_states, torch.tensor([int(s0_slot)], **lt),
+                            torch.tensor([bool(init)], dtype=torch.bool, device=dev), torch.zeros(1, **lt),
+                            torch.tensor([0, counts.numel()], **lt), key_gate.unsqueeze(0), corrections.unsqueeze(0),
+                            conv_inputs.unsqueeze(0), A_log, dt_bias, lower_bound, counts, outs,
+                            use_qk_l2norm=use_qk_l2norm)

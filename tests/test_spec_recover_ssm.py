@@ -308,28 +308,33 @@ def test_kernels_benchmark_smoke(capsys):
 @_triton_cpu.skip_on_cuda
 @pytest.mark.parametrize("lower_bound,init", [(None, True), (-5.0, True), (-2.5, False)])
 def test_triton_commit_matches_the_reference_under_the_interpreter(lower_bound, init):
-    """kernels/triton/kda_recover.py's fused commit (gate + fold + conv windows) against the reference
-    composition, with the last (longest) length written over the checkpoint's own slot."""
-    from k3serve.kernels.kda_recover import kda_recover_commit
-    from k3serve.kernels.triton.kda_recover import kda_recover_commit_triton
+    """kernels/triton/kda_recover.py's fused commit (gate + fold + conv windows) of two requests in one
+    launch against the reference composition, each request's longest length written over its own
+    checkpoint slot."""
+    from k3serve.kernels.kda_recover import kda_recover_commit_rows
+    from k3serve.kernels.triton.kda_recover import kda_recover_commit_rows_triton
 
     g = torch.Generator().manual_seed(int(init) + (0 if lower_bound is None else 7))
     T, H, K, W = 4, 2, 16, 3
     C = 3 * H * K
-    key_gate = torch.randn(T, H, 2 * K, generator=g)
-    corr = torch.randn(T, H, K, generator=g)
-    conv_in = torch.randn(T, C, generator=g)
+    key_gate = torch.randn(2, T, H, 2 * K, generator=g)
+    corr = torch.randn(2, T, H, K, generator=g)
+    conv_in = torch.randn(2, T, C, generator=g)
     A_log, dt_bias = torch.randn(H, generator=g) * 0.3, torch.randn(H * K, generator=g)
     pool = torch.randn(10, H, K, K, generator=g)
     conv = torch.randn(10, C, W, generator=g)
-    counts, outs = torch.tensor([1, 2, 2, 4]), torch.tensor([7, 8, 9, 3])  # slot 3 is the checkpoint
+    s0, inits, recs = torch.tensor([3, 5]), torch.tensor([init, True]), torch.tensor([1, 0])
+    seg = torch.tensor([0, 4, 6])
+    counts, outs = torch.tensor([1, 2, 2, 4, 0, 3]), torch.tensor([7, 8, 9, 3, 6, 5])  # 3, 5: the checkpoints
     ref_pool, ref_conv = pool.double(), conv.double()
-    kda_recover_commit(ref_pool, ref_conv, 3, init, key_gate.double(), corr.double(), conv_in.double(),
-                       A_log.double(), dt_bias.double(), lower_bound, counts, outs)
-    kda_recover_commit_triton(pool, conv, 3, init, key_gate, corr, conv_in, A_log, dt_bias, lower_bound,
-                              counts, outs)
+    kda_recover_commit_rows(ref_pool, ref_conv, s0, inits, recs, seg, key_gate.double(), corr.double(),
+                            conv_in.double(), A_log.double(), dt_bias.double(), lower_bound, counts, outs)
+    kda_recover_commit_rows_triton(pool, conv, s0, inits, recs, seg, key_gate, corr, conv_in, A_log, dt_bias,
+                                   lower_bound, counts, outs)
     for s in outs.tolist():
         assert _triton_cpu.rel(pool[s], ref_pool[s]) < 1e-5, s
         assert torch.allclose(conv[s].double(), ref_conv[s], rtol=0, atol=1e-6), s
-    for s in (0, 1, 2, 4, 5, 6):  # untouched
+    for s in (0, 1, 2, 4):  # untouched
         assert torch.equal(pool[s].double(), ref_pool[s]) and torch.equal(conv[s].double(), ref_conv[s])
+
+

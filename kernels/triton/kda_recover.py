@@ -143,93 +143,105 @@ def kda_recover_fold_triton(state_pool, state_indices, has_initial_state, k, g, 
     )
 
 
-@triton.jit(do_not_specialize=["H", "N", "s0_slot", "init"])
-def _commit_state_kernel(kg_ptr, u_ptr, alog_ptr, bias_ptr, pool_ptr, counts_ptr, outs_ptr, s0_slot, init, N,
-                         lower_bound, pool_stride, kg_st, kg_sh, u_st, u_sh, H,
+@triton.jit(do_not_specialize=["H"])
+def _commit_state_kernel(kg_ptr, u_ptr, alog_ptr, bias_ptr, pool_ptr, counts_ptr, outs_ptr, s0_ptr, init_ptr,
+                         rec_ptr, seg_ptr, lower_bound, pool_stride, kg_sn, kg_st, kg_sh, u_sn, u_st, u_sh, H,
                          K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
                          HAS_LB: tl.constexpr):
-    """One request's commit at one layer: gate from the recorded raw gate, fold, a store at each length.
+    """Request r's commit at one layer: gate from the recorded raw gate, fold, a store at each length.
 
-    One program per (head, V block) walks the tokens once and stores its slice at every requested length
-    (counts ascending); the checkpoint slice is read before the program's first store, and no other
-    program touches that slice, so an out slot may be the checkpoint's own.
+    One program per (request, head, V block) walks the request's tokens once and stores its slice at
+    each of the request's lengths (entries seg[r]..seg[r+1], counts ascending); the checkpoint slice is
+    read before the program's first store and no other program touches it, so the last out slot may be
+    the checkpoint's own.
     """
-    h = tl.program_id(0)
-    vb = tl.program_id(1)
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
     rk = tl.arange(0, K)
     rv = vb * BV + tl.arange(0, BV)
     mv = rv < V
     slice_off = h * V * K + rv[:, None] * K + rk[None, :]
-    S = tl.load(pool_ptr + s0_slot.to(tl.int64) * pool_stride + slice_off, mask=(init != 0) & mv[:, None],
-                other=0.0).to(tl.float32)
+    s0 = tl.load(s0_ptr + r).to(tl.int64)
+    init = tl.load(init_ptr + r)
+    rec = tl.load(rec_ptr + r).to(tl.int64)
+    e0 = tl.load(seg_ptr + r)
+    e1 = tl.load(seg_ptr + r + 1)
+    kg_row = kg_ptr + rec * kg_sn
+    u_row = u_ptr + rec * u_sn
+    S = tl.load(pool_ptr + s0 * pool_stride + slice_off, mask=(init != 0) & mv[:, None], other=0.0).to(tl.float32)
     a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     bias = tl.load(bias_ptr + h * K + rk).to(tl.float32)
-    t0 = tl.load(counts_ptr) * 0
-    for n in range(0, N):
+    t0 = e0 * 0
+    for n in range(e0, e1):
         c = tl.load(counts_ptr + n)
         for t in range(t0, c):
-            kx = tl.load(kg_ptr + t * kg_st + h * kg_sh + rk).to(tl.float32)
+            kx = tl.load(kg_row + t * kg_st + h * kg_sh + rk).to(tl.float32)
             if L2NORM:
                 kx = kx * tl.rsqrt(tl.sum(kx * kx, axis=0) + 1e-6)
-            z = tl.load(kg_ptr + t * kg_st + h * kg_sh + K + rk).to(tl.float32) + bias
+            z = tl.load(kg_row + t * kg_st + h * kg_sh + K + rk).to(tl.float32) + bias
             if HAS_LB:
                 gx = lower_bound * tl.sigmoid(a * z)
             else:
                 gx = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-            ux = tl.load(u_ptr + t * u_st + h * u_sh + rv, mask=mv, other=0.0).to(tl.float32)
+            ux = tl.load(u_row + t * u_st + h * u_sh + rv, mask=mv, other=0.0).to(tl.float32)
             S = S * tl.exp(gx)[None, :] + ux[:, None] * kx[None, :]
         out = tl.load(outs_ptr + n).to(tl.int64)
         tl.store(pool_ptr + out * pool_stride + slice_off, S.to(pool_ptr.dtype.element_ty), mask=mv[:, None])
         t0 = c
 
 
-@triton.jit(do_not_specialize=["N", "s0_slot", "init", "C"])
-def _commit_conv_kernel(conv_ptr, x_ptr, counts_ptr, outs_ptr, s0_slot, init, N, conv_stride, x_st, C,
-                        W: tl.constexpr, BC: tl.constexpr):
-    """Conv windows after each requested length: columns c..c+W-1 of [history | inputs], per channel block.
-    The out slot of the last (longest) length may be the history's own: each column is loaded before any
-    column it could overwrite is stored, and channel blocks are disjoint."""
-    cb = tl.program_id(0)
+@triton.jit(do_not_specialize=["C"])
+def _commit_conv_kernel(conv_ptr, x_ptr, counts_ptr, outs_ptr, s0_ptr, init_ptr, rec_ptr, seg_ptr, conv_stride,
+                        x_sn, x_st, C, W: tl.constexpr, BC: tl.constexpr):
+    """Conv windows after each of request r's lengths: columns c..c+W-1 of [history | inputs], per
+    channel block. The out slot of the last (longest) length may be the history's own: each column is
+    loaded before any column it could overwrite is stored, and channel blocks are disjoint."""
+    r = tl.program_id(0)
+    cb = tl.program_id(1)
     rc = cb * BC + tl.arange(0, BC)
     mc = rc < C
-    hist = conv_ptr + s0_slot.to(tl.int64) * conv_stride + rc * W
-    for n in range(0, N):
+    init = tl.load(init_ptr + r)
+    hist = conv_ptr + tl.load(s0_ptr + r).to(tl.int64) * conv_stride + rc * W
+    x_row = x_ptr + tl.load(rec_ptr + r).to(tl.int64) * x_sn
+    for n in range(tl.load(seg_ptr + r), tl.load(seg_ptr + r + 1)):
         c = tl.load(counts_ptr + n)
         dst = conv_ptr + tl.load(outs_ptr + n).to(tl.int64) * conv_stride + rc * W
         for w in tl.static_range(W):
             col = c + w
             vh = tl.load(hist + col, mask=mc & (col < W) & (init != 0), other=0.0)
-            vx = tl.load(x_ptr + (col - W).to(tl.int64) * x_st + rc, mask=mc & (col >= W), other=0.0)
+            vx = tl.load(x_row + (col - W).to(tl.int64) * x_st + rc, mask=mc & (col >= W), other=0.0)
             tl.store(dst + w, (vh + vx).to(conv_ptr.dtype.element_ty), mask=mc)
 
 
-def kda_recover_commit_triton(state_pool, conv_states, s0_slot: int, init: bool, key_gate, corrections,
-                              conv_inputs, A_log, dt_bias, lower_bound, counts, outs, *, use_qk_l2norm=True):
-    """Triton `kda_recover_commit` (see kernels/kda_recover.py): two launches, no host sync."""
-    T, H, K2 = key_gate.shape
+def kda_recover_commit_rows_triton(state_pool, conv_states, s0_slots, inits, rec_rows, seg, key_gate, corrections,
+                                   conv_inputs, A_log, dt_bias, lower_bound, counts, outs, *, use_qk_l2norm=True):
+    """Triton `kda_recover_commit_rows` (see kernels/kda_recover.py): two launches, no host sync."""
+    R = s0_slots.numel()
+    _, T, H, K2 = key_gate.shape
     K = K2 // 2
     V = corrections.shape[-1]
-    N = counts.numel()
-    if N == 0:
+    if R == 0 or counts.numel() == 0:
         return
     check_pool(state_pool)
     check_pool(conv_states)
     if key_gate.stride(-1) != 1 or corrections.stride(-1) != 1 or conv_inputs.stride(-1) != 1:
         raise ValueError("records must be contiguous in their last dimension")
     dev = state_pool.device
-    counts = counts.to(device=dev, dtype=torch.int32)
-    outs = outs.to(device=dev, dtype=torch.int32)
+    i32 = dict(device=dev, dtype=torch.int32)
+    counts, outs, seg = counts.to(**i32), outs.to(**i32), seg.to(**i32)
+    s0_slots, inits, rec_rows = s0_slots.to(**i32), inits.to(**i32), rec_rows.to(**i32)
     BV = min(32, next_pow2(V))
-    _commit_state_kernel[(H, triton.cdiv(V, BV))](
-        key_gate, corrections, A_log, dt_bias, state_pool, counts, outs, int(s0_slot), int(bool(init)), N,
+    _commit_state_kernel[(R, H, triton.cdiv(V, BV))](
+        key_gate, corrections, A_log, dt_bias, state_pool, counts, outs, s0_slots, inits, rec_rows, seg,
         0.0 if lower_bound is None else float(lower_bound), state_pool.stride(0), key_gate.stride(0),
-        key_gate.stride(1), corrections.stride(0), corrections.stride(1), H,
-        K=K, V=V, BV=BV, L2NORM=bool(use_qk_l2norm), HAS_LB=lower_bound is not None, num_warps=4,
+        key_gate.stride(1), key_gate.stride(2), corrections.stride(0), corrections.stride(1), corrections.stride(2),
+        H, K=K, V=V, BV=BV, L2NORM=bool(use_qk_l2norm), HAS_LB=lower_bound is not None, num_warps=4,
     )
     C, W = conv_states.shape[1], conv_states.shape[2]
     if W > 0:
         BC = 256
-        _commit_conv_kernel[(triton.cdiv(C, BC),)](
-            conv_states, conv_inputs, counts, outs, int(s0_slot), int(bool(init)), N, conv_states.stride(0),
-            conv_inputs.stride(0), C, W=W, BC=BC, num_warps=4,
+        _commit_conv_kernel[(R, triton.cdiv(C, BC))](
+            conv_states, conv_inputs, counts, outs, s0_slots, inits, rec_rows, seg, conv_states.stride(0),
+            conv_inputs.stride(0), conv_inputs.stride(1), C, W=W, BC=BC, num_warps=4,
         )

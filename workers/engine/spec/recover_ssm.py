@@ -11,12 +11,13 @@ for the call order and the commit contract):
   buffers record the correction u_t (state dtype), the key k_t and raw gate (activation dtype) and
   the raw conv input (activation dtype). Every other row of the batch (prefills, plain decodes) goes
   through rollback.default_kda_mix unchanged.
-* Commit (`commit(row, accepted_len, snapshots)`): fold the accepted prefix into the running block,
-  per KDA layer one `kda_recover_commit` (kernels/kda_recover.py: the gate recomputed from the
-  recorded raw gate, state = S0 decayed + the accepted corrections, conv window = the last K-1 raw
-  inputs of [window | accepted inputs]). A rejected draft costs nothing extra: it is only a shorter
-  fold. A retained prefix-cache boundary crossed inside the accepted run gets the fold of ITS length
-  written into its block (the exact snapshot), in the same call.
+* Commit (`commit(row, accepted_len, snapshots)`, folded at `end_verify` for every request of the
+  step together, so the running blocks hold the committed state once end_verify returns): per KDA
+  layer one `kda_recover_commit_rows` (kernels/kda_recover.py: the gate recomputed from the recorded
+  raw gate, state = S0 decayed + the accepted corrections, conv window = the last K-1 raw inputs of
+  [window | accepted inputs]; two Triton launches on CUDA). A rejected draft costs nothing extra: it
+  is only a shorter fold. A retained prefix-cache boundary crossed inside the accepted run gets the
+  fold of ITS length written into its block (the exact snapshot), in the same call.
 * Conv rows: the design's (K-1+k)-row conv buffer is, here, the K-1 rows of the running block's
   window (in the page, unchanged by the verify) plus the T raw inputs of the side buffer.
 
@@ -34,7 +35,7 @@ import dataclasses
 import torch
 
 from k3serve.kernels import ops
-from k3serve.kernels.kda_recover import kda_recover_commit, kda_recover_verify
+from k3serve.kernels.kda_recover import kda_recover_commit_rows, kda_recover_verify
 
 from .rollback import SCHEMES, RollbackScheme, SpecBatch, VerifyRow, default_kda_mix
 
@@ -76,6 +77,7 @@ class RecoverSSMRollback(RollbackScheme):
                         for i, _, _ in self.layers}
         self._step: _Step | None = None
         self._model = None
+        self._pending: list[tuple[int, list[tuple[int, list[int]]]]] = []  # commits folded at end_verify
 
     @staticmethod
     def extra_slots(num_speculative_tokens: int) -> int:
@@ -87,6 +89,7 @@ class RecoverSSMRollback(RollbackScheme):
 
     # -- verify ---------------------------------------------------------------------------------
     def begin_verify(self, rows: list[VerifyRow], batch) -> None:
+        self._flush()  # (end_verify normally did this)
         self._step = None
         if not rows or not self.layers:
             return
@@ -196,11 +199,13 @@ class RecoverSSMRollback(RollbackScheme):
             by_row: dict[int, list[tuple[int, int]]] = {}
             for r, off, blocks in st.checkpoints:
                 by_row.setdefault(r, []).append((off, blocks[gi]))
-            dev = qkv.device
+            lt = dict(dtype=torch.long, device=qkv.device)
             for r, entries in by_row.items():
                 entries.sort()
-                self._fold_layer(model, i, j, gi, r, torch.tensor([off for off, _ in entries], device=dev),
-                                 torch.tensor([blk for _, blk in entries], device=dev))
+                self._commit_layer(model, i, j, s0=st.run_slots[gi][r : r + 1], inits=st.has_init[r : r + 1],
+                                   rec_rows=torch.tensor([r], **lt), seg=torch.tensor([0, len(entries)], **lt),
+                                   counts=torch.tensor([off for off, _ in entries], **lt),
+                                   outs=torch.tensor([blk for _, blk in entries], **lt))
         return o
 
     # -- commit ---------------------------------------------------------------------------------
@@ -212,30 +217,48 @@ class RecoverSSMRollback(RollbackScheme):
             raise ValueError(f"accepted_len {accepted_len} outside [1, {row.num_tokens}]")
         if self._model is None:
             raise RuntimeError("recover_ssm: commit before any KDA layer ran the verify (batch.spec.kda_mix unused)")
-        r = st.buf_row[row.request_id]
-        dev = self.corr[self.layers[0][0]].device
-        lt = dict(dtype=torch.long, device=dev)
         if any(not 1 <= off <= accepted_len for off, _ in snapshots):
             raise ValueError(f"recover_ssm: snapshot offsets {[o for o, _ in snapshots]} outside [1, {accepted_len}]")
+        r = st.buf_row[row.request_id]
+        if any(p == r for p, _ in self._pending):
+            raise ValueError(f"recover_ssm: {row.request_id!r} committed twice in one step")
         entries = sorted(snapshots, key=lambda e: e[0])
         entries.append((accepted_len, row.running_slots))  # the longest last: it overwrites the checkpoint
-        counts = torch.tensor([off for off, _ in entries], **lt)
-        outs = [torch.tensor([blocks[gi] for _, blocks in entries], **lt) for gi in range(len(self.layout.kda_groups))]
-        for i, gi, j in self.layers:
-            self._fold_layer(self._model, i, j, gi, r, counts, outs[gi])
-
-    def _fold_layer(self, model, i: int, j: int, gi: int, r: int, counts: torch.Tensor, outs: torch.Tensor) -> None:
-        """Write the fold of buffer row r's first counts[n] tokens (ascending) into block outs[n] at KDA
-        layer i (page position j); the running block (S0) is read before any block is written."""
-        st = self._step
-        w = model.w
-        p = f"model.layers.{i}.self_attn."
-        kda_recover_commit(model.kv.ssm_view(j), model.kv.conv_view(j), int(st.run_slots_list[gi][r]),
-                           st.has_init_list[r], self.key_gate[i][r], self.corr[i][r], self.conv_in[i][r],
-                           w[p + "A_log"], w[p + "dt_bias"], model.cfg.gate_lower_bound, counts, outs)
+        self._pending.append((r, entries))
 
     def end_verify(self) -> None:
+        """Fold every commit of the step: per KDA layer one kda_recover_commit_rows for all requests."""
+        self._flush()
         self._step = None
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        st = self._step
+        dev = self.corr[self.layers[0][0]].device
+        lt = dict(dtype=torch.long, device=dev)
+        recs = [r for r, _ in pending]
+        seg = [0]
+        for _, entries in pending:
+            seg.append(seg[-1] + len(entries))
+        counts = torch.tensor([off for _, entries in pending for off, _ in entries], **lt)
+        meta = dict(inits=torch.tensor([st.has_init_list[r] for r in recs], dtype=torch.bool, device=dev),
+                    rec_rows=torch.tensor(recs, **lt), seg=torch.tensor(seg, **lt), counts=counts)
+        for gi in range(len(self.layout.kda_groups)):
+            s0 = torch.tensor([st.run_slots_list[gi][r] for r in recs], **lt)
+            outs = torch.tensor([blocks[gi] for _, entries in pending for _, blocks in entries], **lt)
+            for i, g2, j in self.layers:
+                if g2 == gi:
+                    self._commit_layer(self._model, i, j, s0=s0, outs=outs, **meta)
+
+    def _commit_layer(self, model, i: int, j: int, *, s0, inits, rec_rows, seg, counts, outs) -> None:
+        """kda_recover_commit_rows at KDA layer i (page position j) over this step's side buffers."""
+        w = model.w
+        p = f"model.layers.{i}.self_attn."
+        kda_recover_commit_rows(model.kv.ssm_view(j), model.kv.conv_view(j), s0, inits, rec_rows, seg,
+                                self.key_gate[i], self.corr[i], self.conv_in[i], w[p + "A_log"], w[p + "dt_bias"],
+                                model.cfg.gate_lower_bound, counts, outs)
 
 
 SCHEMES[RecoverSSMRollback.name] = RecoverSSMRollback
