@@ -40,10 +40,9 @@ def test_rendered_worker_args_parse(sample):
 def test_multi_rank_layout_is_refused_clearly():
     p = argparse.ArgumentParser()
     worker.configure(p)
-    ns = p.parse_args(["--model", "m", "--tensor-parallel-size", "8", "--role", "decode"])
-    assert "multi-rank decode" in worker.unsupported_layout(ns)  # P/D into a TP group: not implemented
-    ns = p.parse_args(["--model", "m", "--tensor-parallel-size", "8", "--role", "prefill"])
-    assert worker.unsupported_layout(ns) is None  # P/D from a TP group: each rank's pages (kv_transfer/)
+    for role in ("prefill", "decode"):  # P/D from / into a TP group: each rank's own pages (kv_transfer/)
+        ns = p.parse_args(["--model", "m", "--tensor-parallel-size", "8", "--role", role])
+        assert worker.unsupported_layout(ns) is None, role
     dp = ["--model", "m", "--data-parallel-size", "2", "--enable-expert-parallel"]
     assert p.parse_args(["--model", "m", "--expert-parallel"]).enable_expert_parallel  # the former spelling
     assert worker.unsupported_layout(p.parse_args(dp)) is None  # DEP is served (workers/engine/parallel/dp_front.py)

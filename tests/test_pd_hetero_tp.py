@@ -74,6 +74,31 @@ def pair(model, layout):
                 p.kill()
 
 
+@pytest.fixture(scope="module")
+def tp2_decode(model, layout):
+    """A TP=1 prefill worker and a TP=2 decode worker (each decode rank pulls its own share into its own
+    pages, poisoned first) on the same model."""
+    procs = {"P1": _start(model, "prefill", "--block-size", "16"),
+             "D2": _start(model, "decode", "--tensor-parallel-size", "2", "--block-size", "32", *layout[1],
+                          "--kv-transfer-timeout", "5", env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"})}
+    out = {}
+    try:
+        for k, p in procs.items():
+            out[k] = _W(p, *_wait_ready(p))
+        yield out
+    finally:
+        for w in out.values():
+            w.channel.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def _decode(w, rid, prompt, max_new, kvp):
     """The decode hop with the chosen tokens' logprobs: (tokens, logprobs, KvTransferResult)."""
     kvp = pb.KvTransferParams.FromString(kvp.SerializeToString())
@@ -137,6 +162,31 @@ def test_tp2_prefill_to_tp1_decode_equals_reference(pair, model, vocab):
             break
         time.sleep(0.2)
     assert load.free_pages == load.total_pages
+
+
+def test_into_a_tp2_decode_worker_from_tp1_and_tp2_prefill(pair, tp2_decode, model, vocab):
+    """TP=1 prefill -> TP=2 decode (each decode rank reads its half of the heads of the one prefill page) and
+    TP=2 -> TP=2 (decode rank r reads prefill rank r's page): tokens and logprobs == the reference."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 40, rng.randint(60, 110))]
+    max_new = 5
+    want = reference_outputs(model, prompts, max_new)
+    for src, prefill in (("tp1", tp2_decode["P1"]), ("tp2", pair["P"])):
+        for i, prompt in enumerate(prompts):
+            kvp = prefill_hop(prefill, f"{src}-p{i}", prompt, max_new)
+            toks, lps, res = _decode(tp2_decode["D2"], f"{src}-d{i}", prompt, max_new, kvp)
+            assert toks == want[i], (src, i, res)
+            ref = _reference_logprobs(model, prompt, toks)
+            assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-9, (src, i, lps, ref)
+            assert res["outcome"] == "pulled" and res["pulled_tokens"] == len(prompt) - 1, (src, res)
+    for prefill in (tp2_decode["P1"], pair["P"]):  # every decode rank done -> the prefill pages were released
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            load = prefill.stub.GetLoad(pb.LoadRequest(), timeout=5)
+            if load.free_pages == load.total_pages:
+                break
+            time.sleep(0.2)
+        assert load.free_pages == load.total_pages
 
 
 def test_transfer_metadata_names_every_rank(pair):

@@ -53,9 +53,6 @@ def unsupported_layout(args: argparse.Namespace) -> str | None:
     if nodes_problem:
         return nodes_problem.replace("nnodes", "--nnodes").replace("node_rank", "--node-rank").replace(
             "tensor_parallel_size", "--tensor-parallel-size")
-    if args.tensor_parallel_size != 1 and args.role == "decode":  # a TP prefill worker is served (kv_transfer/)
-        return (f"--tensor-parallel-size {args.tensor_parallel_size} with --role decode: P/D transfers into "
-                "a multi-rank decode worker are not implemented yet (a multi-rank --role prefill worker is)")
     return None
 
 

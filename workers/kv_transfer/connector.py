@@ -16,10 +16,12 @@ error, timeout, expired pages — is `failed_recving`: the engine recomputes, th
 Heterogeneous TP (§5.4): a multi-rank prefill worker's ranks each register their own pages with their
 own agent (workers/engine/parallel/launcher.py) and rank 0's handshake names them all; a decode rank
 posts one READ per prefill rank it needs (k3serve/common/pd_geometry.py: MLA from one rank, each
-rank's KDA head slices into their offsets of the local page). With one READ the notification rides on
-it; with several, the prefill side is notified on its own once every READ has ended DONE, so no
-prefill rank frees pages another READ is still reading. A multi-rank decode worker (its ranks' pages
-are not this process's) is refused, not served.
+rank's KDA head slices into their offsets of the local page). A multi-rank decode worker runs one
+worker half per rank (ranks 1.. in their own processes, workers/engine/parallel/launcher.py): each pulls
+its own share into its own pages and reports the outcome to rank 0, which settles the request only when
+every rank's READs have ended (pulled if all succeeded, else recomputed). With one READ in all the
+notification rides on it; otherwise rank 0 notifies the prefill side on its own once every READ of every
+rank is DONE, so no prefill rank frees pages another READ is still reading.
 
 `TransferLedger` (shared by the halves, read by the gRPC layer) records each decode request's outcome
 (KvTransferResult in worker.proto) and feeds the transfer metrics.
@@ -178,11 +180,9 @@ class NixlScheduler(KVConnectorScheduler):
         import dataclasses
 
         g = self.worker_half.geometry.side()
-        if g.tp_size > 1:
-            raise PDGeometryError(f"this decode worker has tensor-parallel size {g.tp_size}: pulling into a "
-                                  "multi-rank decode worker is not implemented (only its rank 0's pages are here)")
-        plan_pd_mapping(dataclasses.replace(g, tp_size=remote_tp, block_size=remote_block), g,
-                        self.worker_half.tp_rank)
+        remote = dataclasses.replace(g, tp_size=remote_tp, block_size=remote_block)
+        for rank in range(g.tp_size):  # every decode rank reads its own share
+            plan_pd_mapping(remote, g, rank)
 
     # decode side -------------------------------------------------------------------------------
     def _refuse(self, req, reason: str, aligned: int) -> MatchResult:
@@ -213,7 +213,7 @@ class NixlScheduler(KVConnectorScheduler):
         if time.time() + self.timeout_s >= float(p.get("remote_blocks_expiry_time", 0)):
             return self._refuse(request, "expired", aligned)
         pb = int(p.get("block_size", 0))
-        if pb <= 0 or self.ctx.layout.block_size % pb or aligned % pb or self.tp_size > 1:
+        if pb <= 0 or self.ctx.layout.block_size % pb or aligned % pb:
             return self._refuse(request, "geometry", aligned)
         return MatchResult(n - aligned, is_async=True)
 
@@ -301,6 +301,12 @@ class NixlWorker(KVConnectorWorker):
         self._handshakes: list = []  # (job, future of fetch_metadata, host, port)
         self._pool = None
         self._metadata = b""  # our agent's metadata, read once after registration (gRPC threads serve it)
+        # rank 0 of a multi-rank decode worker: a request is settled once every rank's share has ended
+        self._group = self.tp_size > 1 and self.tp_rank == 0
+        self._reports = None  # () -> [(rank, {"done": [...], "failed": [...]})] from the other ranks
+        self._own: dict[str, tuple] = {}  # rid -> (ok, Outcome, seconds, bytes_by_view, notify)
+        self._others: dict[str, dict[int, bool]] = {}
+        self._done: set[str] = set()
 
     # setup -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv) -> None:
@@ -319,6 +325,7 @@ class NixlWorker(KVConnectorWorker):
         self.geometry = PageGeometry.of(self.ctx.layout, kv.num_blocks, self.tp_size, self.tp_rank)
         # the other ranks' agents over their own pages (workers/engine/parallel/launcher.py)
         self.other_ranks = list(getattr(kv, "transfer_ranks", ()))
+        self._reports = getattr(kv, "transfer_reports", None)
         self.peers = PeerCache(self.agent, self.factors)
         self._metadata = self.agent.metadata()
 
@@ -372,8 +379,59 @@ class NixlWorker(KVConnectorWorker):
     def _fail(self, job: PullJob, reason: str, detail: str = "") -> None:
         log.warning("KV pull for %s fell back to recompute (%s%s)", job.request_id, reason,
                     f": {detail}" if detail else "")
-        self._failed.add(job.request_id)
-        self.ledger.record(job.request_id, Outcome("recomputed", reason, 0, job.spec.num_local_tokens))
+        self._result(job.request_id, False, Outcome("recomputed", reason, 0, job.spec.num_local_tokens))
+
+    def _result(self, rid: str, ok: bool, outcome: Outcome, seconds=None, bytes_by_view=None, notify=None) -> None:
+        """This rank's share of a pull ended; a single rank (or ranks 1..) settles it now, rank 0 of a group
+        once every rank reported."""
+        if not self._group:
+            (self._done if ok else self._failed).add(rid)
+            self.ledger.record(rid, outcome, seconds=seconds, bytes_by_view=bytes_by_view)
+            return
+        self._own[rid] = (ok, outcome, seconds, bytes_by_view, notify, time.monotonic())
+        self._settle(rid)
+
+    def _settle(self, rid: str) -> None:
+        from k3serve.workers.kv_transfer.agent import TransferError
+
+        others = self._others.get(rid, {})
+        if rid not in self._own or len(others) < self.tp_size - 1:
+            return
+        ok, outcome, seconds, nbytes, notify, _t = self._own.pop(rid)
+        self._others.pop(rid, None)
+        if ok and all(others.values()):
+            if notify is not None:
+                try:
+                    self.agent.notify(*notify)
+                except TransferError as e:  # the pages were read; the prefill side frees them at expiry
+                    log.warning("could not confirm the pull of %s to its prefill worker: %s", rid, e)
+            self._done.add(rid)
+            self.ledger.record(rid, outcome, seconds=seconds, bytes_by_view=nbytes)
+            return
+        if ok:  # another rank's share failed: the pages are not all there
+            bad = sorted(r for r, good in others.items() if not good)
+            log.warning("KV pull for %s fell back to recompute: rank(s) %s could not pull their share", rid, bad)
+            outcome = Outcome("recomputed", "transfer_failed", 0, outcome.local_cached_tokens)
+        self._failed.add(rid)
+        self.ledger.record(rid, outcome)
+
+    def _poll_reports(self) -> None:
+        if not self._group or self._reports is None:
+            return
+        for rank, rep in self._reports():
+            for rid, good in [(r, True) for r in rep.get("done", ())] + [(r, False) for r in rep.get("failed", ())]:
+                self._others.setdefault(rid, {})[rank] = good
+                self._settle(rid)
+        # a rank that never answers (its READs end within 3 timeouts of their post, workers below): the
+        # request must not wait forever; its pages are recomputed once no READ can still write them
+        late = time.monotonic() - 4 * self.timeout_s
+        for rid in [r for r, own in self._own.items() if own[-1] < late]:
+            others = self._others.setdefault(rid, {})
+            missing = [r for r in range(1, self.tp_size) if r not in others]
+            log.warning("KV pull for %s: rank(s) %s never reported their share", rid, missing)
+            for r in missing:
+                others[r] = False
+            self._settle(rid)
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         """Post each pull whose peer is known; fetch unknown peers' metadata off the engine thread."""
@@ -431,6 +489,7 @@ class NixlWorker(KVConnectorWorker):
         layout = self.ctx.layout
         mla_pairs, mla_loaded, kda_pairs = {}, {}, {}
         notif = str(p.get("remote_request_id", "")).encode()
+        lone = len(sides) == 1 and self.tp_size == 1  # the only READ of the pull: it carries the notification
         posted = []
         try:
             remote_groups = {int(g["group_id"]): list(g["block_ids"]) for g in p.get("remote_block_ids", [])}
@@ -449,7 +508,7 @@ class NixlWorker(KVConnectorWorker):
             for (_src, (_ls, lh), (_rs, rh)), plan in zip(sides, plans):
                 if plan.num_descriptors:
                     posted.append(self.agent.read(lh, plan.local_ids, rh, plan.remote_ids,
-                                                  notif=notif if len(sides) == 1 else b""))
+                                                  notif=notif if lone else b""))
         except (KeyError, IndexError, PDGeometryError) as e:
             self._release_posted(posted)
             self._fail(job, "geometry", f"transfer parameters do not fit this layout: {e!r}")
@@ -468,7 +527,7 @@ class NixlWorker(KVConnectorWorker):
                 total[view] += nb
         plans[0].bytes_by_view = total
         notify = None
-        if len(sides) > 1:  # the prefill worker's rank 0 frees the pages: tell it once every READ is over
+        if not lone and self.tp_rank == 0:  # the prefill worker's rank 0 frees the pages: tell it once every READ is over
             ranks = peer.ranks or {0: (peer.agent_name, None, None)}
             notify = (ranks[0][0], notif)
         now = time.monotonic()
@@ -489,6 +548,7 @@ class NixlWorker(KVConnectorWorker):
         from k3serve.workers.kv_transfer.views import zero_unreceived
 
         self._poll_handshakes()
+        self._poll_reports()
         out = KVConnectorOutput()
         still = []
         for f in self._inflight:
@@ -504,26 +564,26 @@ class NixlWorker(KVConnectorWorker):
                 state = "TIMEOUT"
             f.release()
             rid = f.job.request_id
-            if state == "DONE" and f.notify is not None:
+            notify = f.notify
+            if state == "DONE" and notify is not None and not self._group:
                 try:
-                    self.agent.notify(*f.notify)
+                    self.agent.notify(*notify)
                 except TransferError as e:  # the pages were read; the prefill side frees them at expiry
                     log.warning("could not confirm the pull of %s to its prefill worker: %s", rid, e)
+                notify = None
             if state == "DONE":
                 mla_loaded, received, kda_pairs, lside = f.zero
                 zero_unreceived(self.kv.pages, self.geometry, lside, mla_loaded, received,
                                 {g: d for g, (_p, d) in kda_pairs.items()})
-                secs = time.monotonic() - f.t0
-                out.finished_recving.add(rid)
-                self.ledger.record(rid, Outcome("pulled", "", f.job.spec.num_external_tokens,
+                self._result(rid, True, Outcome("pulled", "", f.job.spec.num_external_tokens,
                                                 f.job.spec.num_local_tokens, sum(f.plan.bytes_by_view.values())),
-                                   seconds=secs, bytes_by_view=f.plan.bytes_by_view)
+                             seconds=time.monotonic() - f.t0, bytes_by_view=f.plan.bytes_by_view, notify=notify)
             else:
                 self.peers.drop(f.host, f.port)
-                self._failed.add(rid)
-                self.ledger.record(rid, Outcome("recomputed", "timeout" if state == "TIMEOUT" else "transfer_failed",
-                                                0, f.job.spec.num_local_tokens))
+                self._result(rid, False, Outcome("recomputed", "timeout" if state == "TIMEOUT" else "transfer_failed",
+                                                 0, f.job.spec.num_local_tokens))
         self._inflight = still
+        out.finished_recving, self._done = self._done, set()
         out.failed_recving, self._failed = self._failed, set()
         # prefill side: the decode side's READs completed (their notification names our request id)
         if self.agent is not None:

@@ -8,11 +8,14 @@ step's SchedulerOutput (plain data, workers/engine/scheduler_output.py) that ran
 before rank 0 executes the same step itself. Inside the step the ranks meet in the model's collectives
 (gloo over 127.0.0.1, workers/engine/parallel/group.py); rank 0 alone gets the full logits it samples.
 
-P/D (a `--role prefill` worker, the "nixl" connector): each spawned rank also registers its own page
-tensors with its own NIXL agent and reports the agent's metadata and page addresses to rank 0 (a
-`RankEndpoint`); rank 0 sets them as `runner.kv.transfer_ranks`, and its connector's handshake answers
-for the whole group (workers/kv_transfer/handshake.py). A decode worker reads every rank's pages
-directly, so the bytes never pass through rank 0 (one NIC per GPU in a real pod).
+P/D (the "nixl" connector): each spawned rank also runs its own connector worker half over its own page
+tensors and NIXL agent (`_rank_transfer`) and reports the agent's metadata and page addresses to rank 0
+(a `RankEndpoint`); rank 0 sets them as `runner.kv.transfer_ranks`, and its connector's handshake answers
+for the whole group (workers/kv_transfer/handshake.py), so a decode worker reads every prefill rank's
+pages directly (the bytes never pass through rank 0: one NIC per GPU in a real pod). In a decode worker,
+every rank pulls its own share of each request named in the step's connector metadata and sends rank 0
+("recv", {"done", "failed"}) over its pipe; rank 0's half polls them (`runner.kv.transfer_reports`) and
+settles the request once every rank has answered.
 
 Failure: a rank that exits (killed, crashed) is seen by rank 0 at the next step before anything is sent
 (`RankFailedError` naming the rank and its exit code), or inside a step's collective (its sockets close:
@@ -80,22 +83,59 @@ class RankSpec:
 
 
 def _wants_transfer(args) -> tuple | None:
+    """(NIXL network devices or None, pull timeout s) when the engine has the P/D connector."""
     if "nixl" in (getattr(args, "kv_connectors", None) or ()):
-        return (getattr(args, "kv_transfer_devices", None) or None,)
+        return (getattr(args, "kv_transfer_devices", None) or None, getattr(args, "kv_transfer_timeout", None))
     return None
 
 
-def _register_for_transfer(rank: int, runner, devices):
-    """This rank's pages under its own NIXL agent (kept alive by the caller); -> (agent, RankEndpoint)."""
+def _rank_transfer(rank: int, spec: RankSpec, runner):
+    """Rank `rank`'s own P/D worker half over its own pages (workers/kv_transfer/connector.py NixlWorker:
+    its agent serves a decode worker's reads of a prefill rank, and pulls a decode rank's share); ->
+    (worker, RankEndpoint)."""
     import uuid
 
-    from k3serve.workers.kv_transfer.agent import TransferAgent
+    from k3serve.common.block_hash import model_fingerprint
+    from k3serve.workers.engine.kv_connector.base import ConnectorContext
+    from k3serve.workers.kv_transfer.compat import compatibility_factors
+    from k3serve.workers.kv_transfer.connector import NixlWorker, TransferLedger
     from k3serve.workers.kv_transfer.handshake import RankEndpoint
 
-    agent = TransferAgent(f"k3serve-tp{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}", devices=devices)
-    pages = runner.kv.pages
-    agent.register([(t.data_ptr(), t.numel() * t.element_size()) for t in pages], "DRAM")
-    return agent, RankEndpoint(rank, agent.name, agent.metadata(), tuple(t.data_ptr() for t in pages))
+    devices, timeout = spec.transfer
+    fp = model_fingerprint(spec.model)
+    extra = dict(tensor_parallel_size=spec.size, tp_rank=rank, kv_transfer_devices=devices)
+    if timeout is not None:
+        extra["kv_transfer_timeout"] = timeout
+    ctx = ConnectorContext(layout=spec.layout, hash_unit=spec.layout.block_size, model_fingerprint=fp, device="cpu",
+                           engine_id=f"{os.getpid()}-tp{rank}-{uuid.uuid4().hex[:8]}", enable_prefix_caching=False,
+                           extra_config=extra)
+    worker = NixlWorker(ctx, TransferLedger(), compatibility_factors(spec.layout, fp, spec.size))
+    worker.register_kv_caches(runner.kv)
+    return worker, RankEndpoint(rank, worker.agent.name, worker.agent.metadata(), tuple(worker.bases))
+
+
+def _nixl_meta(meta):
+    """The P/D connector's part of a step's connector metadata (the engine composes its connectors)."""
+    from k3serve.workers.kv_transfer.connector import NixlMeta
+
+    for m in [meta, *(getattr(meta, "data", None) or ())]:
+        if isinstance(m, NixlMeta):
+            return m
+    return NixlMeta(step=getattr(meta, "step", 0))
+
+
+def _transfer_reports(peers):
+    """Rank 0's poll of the other ranks' pull outcomes: [(rank, {"done": [...], "failed": [...]})]."""
+    def poll():
+        out = []
+        for rank, _proc, conn in peers:
+            while conn.poll(0):
+                msg = conn.recv()
+                if msg[0] == "recv":
+                    out.append((rank, msg[1]))
+        return out
+
+    return poll
 
 
 class ParallelModelRunner(ModelRunner):
@@ -236,6 +276,7 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
                 if msg[0] != "transfer":
                     raise RankFailedError(f"tensor-parallel rank {rank} could not register its pages: {msg[1]}")
                 runner.kv.transfer_ranks.append(RankEndpoint.from_plain(msg[1]))
+            runner.kv.transfer_reports = _transfer_reports(peers)
     except BaseException:
         _stop_peers(peers)
         raise
@@ -272,9 +313,9 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
                                      plan=plan, max_num_batched_tokens=spec.max_num_batched_tokens,
                                      max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
         runner.static_decode = spec.static_decode
-        agent = None
+        transfer = None
         if spec.transfer is not None:
-            agent, endpoint = _register_for_transfer(rank, runner, *spec.transfer)
+            transfer, endpoint = _rank_transfer(rank, spec, runner)
             conn.send(("transfer", endpoint.to_plain()))
         while True:
             try:
@@ -284,9 +325,15 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
                 break
             if sched is None:
                 break
+            if transfer is not None:  # a decode rank pulls its own share (rank 0 settles the request)
+                transfer.start_load_kv(_nixl_meta(sched.kv_connector_metadata))
             runner.execute(sched)
-        if agent is not None:
-            agent.close()
+            if transfer is not None:
+                out = transfer.get_finished()
+                if out.finished_recving or out.failed_recving:
+                    conn.send(("recv", {"done": sorted(out.finished_recving), "failed": sorted(out.failed_recving)}))
+        if transfer is not None:
+            transfer.shutdown()
     except BaseException as e:  # noqa: BLE001 - reported to rank 0 (while starting) and in the exit status
         status = 1
         try:
