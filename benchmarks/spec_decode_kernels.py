@@ -9,9 +9,9 @@ the same run:
     over the T tokens, exporting conv window + state after tokens 1..T-1 into k private blocks per request
     (the in-pass checkpoint path), then the commit: copy the accepted block into the running one;
   * recover_ssm (workers/engine/spec/recover_ssm.py, 6.2): the conv on a copy of the running windows and
-    kernels/kda_recover.py's verify (records the corrections, writes no state), then the commit per
-    request (`kda_recover_commit`: the gate recomputed from the recorded raw gate, the state fold and the
-    conv window of the accepted prefix; two Triton launches on CUDA);
+    kernels/kda_recover.py's verify (records the corrections, writes no state), then the commit of all
+    requests (`kda_recover_commit_rows`: the gate recomputed from the recorded raw gate, the state fold
+    and the conv window of the accepted prefix; two Triton launches on CUDA);
   * baseline: the same layer's plain decode step of one token per request (conv + delta rule, no drafts).
 Accepted lengths are drawn uniformly in 1..T per request (fixed seed). Times are medians (CUDA events on
 a GPU); "x multi" is multi_slot's time over the scheme's. State memory = the speculation-only bytes one
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _util import print_table  # noqa: E402
 
 from k3serve.kernels import ops  # noqa: E402
-from k3serve.kernels.kda_recover import kda_recover_commit, kda_recover_verify  # noqa: E402
+from k3serve.kernels.kda_recover import kda_recover_commit_rows, kda_recover_verify  # noqa: E402
 
 SHAPES = {"demo": (3, 64), "small": (2, 16), "k3": (32, 128)}  # (KDA heads per rank, head dim)
 CONV_K = 4
@@ -113,8 +113,8 @@ def case(H, d, B, k, dev, dt, iters, seed=0):
     key_gate = torch.zeros(B, T, H, 2 * d, dtype=dt, device=dev)
     conv_in = torch.zeros(B, T, C, dtype=dt, device=dev)
     ar = torch.arange(B, device=dev)
-    counts = [torch.tensor([a], device=dev) for a in accepted]
-    outs = [torch.tensor([r], device=dev) for r in range(B)]
+    counts = torch.tensor(accepted, device=dev)
+    seg = torch.arange(B + 1, device=dev)
 
     def recover():
         conv_in.copy_(x.view(B, T, C))
@@ -123,9 +123,9 @@ def case(H, d, B, k, dev, dt, iters, seed=0):
         q, kk, v, gg, beta = qkvgb(y, raw_g, b_logit)
         key_gate.copy_(torch.cat([kk, raw_g], dim=-1).view(B, T, H, 2 * d))
         kda_recover_verify(q, kk, v, gg, beta, ssm, run_slots, cu, init, corr, scale=d ** -0.5)
-        for r in range(B):  # the commit, per request as the scheme calls it: gate + state fold + conv window
-            kda_recover_commit(ssm, conv, r, True, key_gate[r], corr[r], conv_in[r], A_log, dt_bias, -5.0,
-                               counts[r], outs[r])
+        # the commit of every request, as the scheme's end_verify does: gate + state fold + conv window
+        kda_recover_commit_rows(ssm, conv, run_slots, init, ar, seg, key_gate, corr, conv_in, A_log, dt_bias,
+                                -5.0, counts, run_slots)
 
     x1, g1, b1 = x.view(B, T, C)[:, 0].contiguous(), raw_g.view(B, T, H, d)[:, 0].contiguous(), \
         b_logit.view(B, T, H)[:, 0].contiguous()

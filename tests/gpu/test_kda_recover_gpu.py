@@ -15,7 +15,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from k3serve.kernels.kda_recover import kda_recover_fold, kda_recover_verify  # noqa: E402
+from k3serve.kernels.kda_recover import kda_recover_commit_rows, kda_recover_fold, kda_recover_verify  # noqa: E402
 from k3serve.sampling_params import SamplingParams  # noqa: E402
 from k3serve.workers.llm import LLM  # noqa: E402
 from k3serve.workers.model.reference import load_reference_model  # noqa: E402
@@ -78,6 +78,43 @@ def test_verify_and_fold_on_cuda_match_float64_reference(dtype, H, K):
     untouched = torch.ones(nslots, dtype=torch.bool)
     untouched[outs] = False
     assert torch.equal(dpool[untouched].isnan().cpu(), pool[untouched].isnan())
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_commit_rows_on_cuda_match_float64_reference(lower_bound):
+    """Three requests' commits in one call (one of them with snapshots), each longest length over its own
+    checkpoint slot; every other slot stays NaN."""
+    g = torch.Generator().manual_seed(17)
+    T, H, K, W = 4, 3, 64, 3
+    C = 3 * H * K
+    kg, corr, xin = torch.randn(4, T, H, 2 * K, generator=g), torch.randn(4, T, H, K, generator=g), \
+        torch.randn(4, T, C, generator=g)
+    A_log, dt_bias = torch.randn(H, generator=g) * 0.3, torch.randn(H * K, generator=g)
+    pool = torch.full((32, H, K, K), float("nan"))
+    conv = torch.full((32, C, W), float("nan"))
+    s0 = torch.tensor([3, 9, 5])
+    pool[s0], conv[s0] = torch.randn(3, H, K, K, generator=g) * 0.3, torch.randn(3, C, W, generator=g)
+    inits, recs, seg = torch.tensor([True, True, False]), torch.tensor([2, 0, 3]), torch.tensor([0, 3, 4, 5])
+    counts, outs = torch.tensor([2, 3, 4, 1, 2]), torch.tensor([20, 21, 3, 9, 5])
+    ref_pool, ref_conv = pool.double(), conv.double()
+    kda_recover_commit_rows(ref_pool, ref_conv, s0, inits, recs, seg, kg.double(), corr.double(), xin.double(),
+                            A_log.double(), dt_bias.double(), lower_bound, counts, outs)
+    # bf16 records on the device: compare with the reference run on the same (rounded) records
+    ref2_pool, ref2_conv = pool.double(), conv.double()
+    kda_recover_commit_rows(ref2_pool, ref2_conv, s0, inits, recs, seg, kg.bfloat16().double(), corr.double(),
+                            xin.bfloat16().double(), A_log.double(), dt_bias.double(), lower_bound, counts, outs)
+    dp, dc = pool.clone().to(DEV), conv.clone().to(DEV)
+    kda_recover_commit_rows(dp, dc, s0.to(DEV), inits.to(DEV), recs.to(DEV), seg.to(DEV), kg.to(DEV, torch.bfloat16),
+                            corr.to(DEV), xin.to(DEV, torch.bfloat16), A_log.to(DEV), dt_bias.to(DEV), lower_bound,
+                            counts.to(DEV), outs.to(DEV))
+    torch.cuda.synchronize()
+    for s in outs.tolist():
+        assert rel(dp[s], ref2_pool[s]) < 1e-4, s
+        assert rel(dc[s], ref2_conv[s]) < 1e-2, s
+    others = torch.ones(32, dtype=torch.bool)
+    others[outs] = False
+    assert bool(dp[others].isnan().all()) and bool(dc[others].isnan().all())
+    assert rel(ref_pool[20], ref2_pool[20]) < 2e-2  # bf16 records stay close to the float ones
 
 
 def _check_near_argmax(ref, prompts, outs, margin=2e-3):
