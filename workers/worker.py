@@ -49,7 +49,8 @@ def unsupported_layout(args: argparse.Namespace) -> str | None:
                     "ranks spanning nodes are not implemented yet (one node)")
     from k3serve.workers.engine.parallel.nodes import layout_problem  # groups spanning nodes
 
-    nodes_problem = layout_problem(args.tensor_parallel_size, args.nnodes, args.node_rank)
+    nodes_problem = layout_problem(args.tensor_parallel_size, getattr(args, "nnodes", 1),  # k3serve up asks too
+                                   getattr(args, "node_rank", 0))
     if nodes_problem:
         return nodes_problem.replace("nnodes", "--nnodes").replace("node_rank", "--node-rank").replace(
             "tensor_parallel_size", "--tensor-parallel-size")
