@@ -202,10 +202,14 @@ def test_moe_experts_equal_reference_every_order(T, E, I, D, dtype, no_fallback,
         want = reference.moe_experts(z, wts, ids, **kw)
         _close(cpu.moe_experts(z, wts, ids, **kw), want, dtype)
         # every evaluation order: grouped_mm (float32), the per-expert loop, the dense form
+        # K-major storage, as the CPU engine keeps experts (workers/engine/k3_forward.py)
+        kmajor = dict(kw, w13=w13.transpose(1, 2).contiguous().transpose(1, 2),
+                      w2=w2.transpose(1, 2).contiguous().transpose(1, 2))
         for grouped_mm, cost in ((True, 0), (False, 0), (False, 1 << 40)):
             monkeypatch.setattr(cpu.moe, "GROUPED_MM", grouped_mm)
             monkeypatch.setattr(cpu.moe, "LOOP_COST_BYTES", cost)
             _close(cpu.moe_experts(z, wts, ids, **kw), want, dtype)
+            _close(cpu.moe_experts(z, wts, ids, **kmajor), want, dtype)
 
 
 def test_ops_dispatch_cpu_forms_and_reference_switch(monkeypatch):

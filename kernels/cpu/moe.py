@@ -11,7 +11,9 @@ Same contract as `k3serve.kernels.reference.moe_experts` (see it). Two exact eva
   zero for unchosen experts — as one more), chosen when the experts nobody routes to cost fewer weight
   bytes than the per-expert loop's fixed cost per active expert (`LOOP_COST_BYTES`).
 
-Packed (MXFP4) or non-float32/float64 weights go to the reference op.
+Packed (MXFP4) or non-float32/float64 weights go to the reference op. Any strides are accepted; the CPU
+engine stores each expert K-major (workers/engine/k3_forward.py `_prepare`), so that `w13.transpose(1, 2)`
+is contiguous and every product is a plain NN GEMM (about 30 % less time per decode-sized product).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ DENSE_MAX_TOKENS = 64
 """The dense form computes E/top_k times the routed products: only for decode-sized batches."""
 
 GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """`torch._grouped_mm` needs every non-unit stride to be a multiple of 16 bytes."""
+    return all(s == 1 or s * t.element_size() % 16 == 0 for s in t.stride())
 
 
 def moe_experts(
@@ -71,12 +78,13 @@ def moe_experts(
         raise IndexError(f"moe_experts: expert id {int(ids.max())} out of range for {E} experts")
     counts = torch.bincount(ids[valid], minlength=E)
     wts = topk_weights.to(dt)
-    grouped_mm = GROUPED_MM and dt == torch.float32
+    grouped_mm = (GROUPED_MM and dt == torch.float32 and _aligned(w13.transpose(1, 2)) and _aligned(w2.transpose(1, 2))
+                  and d_in % 4 == 0 and (two_i // 2) % 4 == 0)
     active = 0 if grouped_mm else int((counts > 0).sum())
     bytes_per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     if not grouped_mm and T <= DENSE_MAX_TOKENS and (E - active) * bytes_per_expert <= active * LOOP_COST_BYTES:
-        h = act((z @ w13.reshape(E * two_i, d_in).t()).view(T, E, two_i))  # [T, E, I]
-        y = torch.bmm(h.transpose(0, 1), w2.transpose(1, 2))  # [E, T, d_out]
+        h = act(torch.bmm(z.expand(E, T, d_in), w13.transpose(1, 2)))  # [E, T, I]
+        y = torch.bmm(h, w2.transpose(1, 2))  # [E, T, d_out]
         dense_w = torch.zeros(T, E, dtype=dt).scatter_add_(1, ids.clamp(min=0), torch.where(valid, wts, 0))
         return torch.bmm(dense_w.unsqueeze(1), y.transpose(0, 1)).squeeze(1)  # [T, d_out]
     flat = ids.reshape(-1)

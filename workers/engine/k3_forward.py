@@ -79,6 +79,9 @@ class K3ForwardModel:
                             + (["g_proj"] if cfg.mla_use_output_gate else []))
             if cfg.is_moe_layer(i):
                 m = f"model.layers.{i}.block_sparse_moe."
+                for n in ("experts.w13", "experts.w2"):
+                    if m + n in w and not w[m + n].is_cuda:  # CPU: [E, N, K] stored K-major, so every x @ W_eᵀ
+                        w[m + n] = w[m + n].transpose(1, 2).contiguous().transpose(1, 2)  # is a plain NN GEMM
                 self._cast_acc(m + "gate.weight")
                 self._cast_acc(m + "gate.e_score_correction_bias")
                 names = ["routed_expert_down_proj"] if cfg.routed_expert_hidden_size else []
