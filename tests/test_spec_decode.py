@@ -339,3 +339,30 @@ def test_structured_output_and_stop_strings_with_speculation():
     json.loads(got[0].outputs[0].text)
     assert got[2].outputs[0].finish_reason == "stop" and stop not in got[2].outputs[0].text
     assert spec.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+class ShortOracle(OracleDrafter):
+    """The oracle's drafts cut to a random length 1..k: verify chunks of every length in one batch."""
+
+    def propose(self, req) -> list[int]:
+        d = OracleDrafter.propose(self, req)
+        return d[: random.Random(hash((self.seed, req.num_tokens))).randint(1, self.k)] if d else d
+
+
+@pytest.mark.parametrize("drafter", ["short-oracle", "mtp"])
+def test_fixed_shape_verify_steps_equal_reference(tmp_path_factory, drafter):
+    """static_decode=True: verify steps run as fixed-shape padded batches (what CUDA graphs replay,
+    workers/engine/spec/static_verify.py), chunks shorter than 1 + k padded; tokens == reference."""
+    seed = MTP_SEEDS[1]
+    d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
+    k = 3
+    llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, static_decode=True, max_num_batched_tokens=64,
+              speculative_config={"method": "mtp" if drafter == "mtp" else "ngram", "num_speculative_tokens": k})
+    if drafter != "mtp":
+        llm.engine.proposer = ShortOracle({tuple(p): r for p, r in zip(prompts, ref)}, k, cfg.vocab_size, seed)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(MAX_NEW))]
+    assert out == ref
+    sv = llm.engine.runner.static_verify
+    assert sv is not None and sv.num_steps > 0
+    if drafter != "mtp":
+        assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0

@@ -321,15 +321,21 @@ class ModelRunner:
         self._graph_pool = None
         self.num_static_decode_steps = 0
         self.rollback = None  # speculative decoding: a workers/engine/spec/rollback.py RollbackScheme
+        self.static_verify = None  # workers/engine/spec/static_verify.py StaticVerify (fixed-shape verify steps)
         self._verify_rows: dict = {}
 
     def enable_speculation(self, scheme_cls, num_speculative_tokens: int, max_num_seqs: int,
                            keep_hidden: bool) -> None:
         """Verify steps with `scheme_cls` rollback; `keep_hidden`: keep the forward's pre-final-norm states
-        (`self.model.hidden`, every row) for the MTP drafter. Captured decode graphs never run verify
-        chunks (several tokens a request); with keep_hidden they are switched off."""
+        (`self.model.hidden`, every row) for the MTP drafter. Verify steps of 1 + k tokens every request
+        run as fixed-shape (on CUDA: captured) batches when decode steps do, with multi-slot rollback
+        (workers/engine/spec/static_verify.py); with keep_hidden, decode graphs are switched off."""
+        from k3serve.workers.engine.spec.static_verify import StaticVerify
+
         self.rollback = scheme_cls(self.kv, self.layout, num_speculative_tokens, max_num_seqs)
         self.model.keep_hidden = keep_hidden
+        if self.static_decode and self.rollback.name == "multi_slot":
+            self.static_verify = StaticVerify(self, num_speculative_tokens, max_num_seqs, self.capture_sizes[-1])
         if keep_hidden:
             self.static_decode = False
 
@@ -375,6 +381,10 @@ class ModelRunner:
                 graph.graph.replay()
                 return graph.logits[:n]
             # capture refused (the step waits for the host): this step and the next ones run eagerly
+        if sched.spec_token_ids and self.static_verify is not None:
+            logits = self.static_verify.execute(sched)
+            if logits is not None:
+                return logits
         batch = self.inputs.prepare(sched)
         if sched.spec_token_ids and self.rollback is not None:
             self._begin_verify(sched, batch)
