@@ -189,11 +189,11 @@ def test_stops_apply_inside_the_accepted_run(tmp_path_factory):
     assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"] > 0
 
 
-def test_mtp_drafts_equal_the_reference_drafter(tmp_path_factory):
+@pytest.mark.parametrize("seed", MTP_SEEDS[:3])  # a dense, a LatentMoE and an MXFP4-MoE MTP layer
+def test_mtp_drafts_equal_the_reference_drafter(tmp_path_factory, seed):
     from k3serve.workers.model.mtp import mtp_propose
     from k3serve.workers.model.reference import load_reference_model
 
-    seed = MTP_SEEDS[0]
     d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
     k = 3
     llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_batched_tokens=16,

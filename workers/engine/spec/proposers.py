@@ -24,10 +24,12 @@ first recomputed position (preemption, a failed load).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from k3serve.kernels import ops
 from k3serve.workers.model.functional import LayerWeights, acc_dtype, linear, rms_norm
 from k3serve.workers.model.mla import mla_output, mla_project
 from k3serve.workers.model.moe import dense_mlp, moe_forward
@@ -56,7 +58,7 @@ class NgramDrafter:
 class _LayerCache:
     c_kv: torch.Tensor  # [cap, r]
     k_pe: torch.Tensor  # [cap, dr]
-    pos: torch.Tensor  # [cap] int64, increasing over the first n entries
+    pos: np.ndarray  # [cap] int64 (host), increasing over the first n entries
     n: int = 0
 
 
@@ -65,8 +67,6 @@ class _ReqCache:
     layers: list[_LayerCache]
     last: tuple[torch.Tensor, torch.Tensor] | None = None  # layer 0's (logits, h') at the last verified row
     last_pos: int = -1  # that row's position
-    rows: int = 0  # positions observed (entries)
-    extra: dict = field(default_factory=dict)
 
 
 class MTPProposer:
@@ -87,6 +87,14 @@ class MTPProposer:
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
             sub[name] = weights[name]
         self.w = dequantize_experts(sub, dtype)  # one layer's experts, dense (exact)
+        # the engine's expert op takes the experts as the engine holds them (MXFP4-packed on CUDA)
+        self.experts = []
+        for p in prefixes:
+            m = p + "block_sparse_moe.experts."
+            if m + "w13_packed" in sub:
+                self.experts.append({n: sub[m + n] for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")})
+            else:
+                self.experts.append({n: self.w[m + n] for n in ("w13", "w2")} if m + "w13" in self.w else None)
         self.layer_w = [LayerWeights(self.w, p) for p in prefixes]
         self.embed = [self._own(L + j, "embed_tokens.weight", "model.embed_tokens.weight") for j in range(n)]
         self.head = [self._own(L + j, "shared_head.head.weight", "lm_head.weight").to(dtype) for j in range(n)]
@@ -121,7 +129,6 @@ class MTPProposer:
         q_nope, q_pe, c_kv, k_pe = mla_project(x, aw, cfg, positions)
         keys_c = torch.cat([cache.c_kv[:cache.n], c_kv], 0)
         keys_pe = torch.cat([cache.k_pe[:cache.n], k_pe], 0)
-        kpos = torch.cat([cache.pos[:cache.n], positions], 0)
         h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         wkv = aw["kv_b_proj.weight"].to(dtype).reshape(h, dn + dv, r)
         q_lat = torch.einsum("qhd,hdr->qhr", q_nope, wkv[:, :dn, :])
@@ -129,8 +136,8 @@ class MTPProposer:
         scores = torch.einsum("qhr,sr->hqs", q_lat, keys_c) + torch.einsum("qhd,sd->hqs", q_pe, keys_pe)
         # a query sees the cached entries (all at earlier positions) and the queries up to itself
         nq = positions.shape[0]
-        mask = torch.zeros(nq, kpos.shape[0], dtype=torch.bool, device=kpos.device)
-        mask[:, cache.n:] = torch.ones(nq, nq, dtype=torch.bool, device=kpos.device).triu(1)
+        mask = torch.zeros(nq, cache.n + nq, dtype=torch.bool, device=positions.device)
+        mask[:, cache.n:] = torch.ones(nq, nq, dtype=torch.bool, device=positions.device).triu(1)
         acc = acc_dtype(dtype)
         p = torch.softmax((scores * scale).to(acc).masked_fill(mask[None], float("-inf")), dim=-1).to(dtype)
         o_lat = torch.einsum("hqs,sr->qhr", p, keys_c)
@@ -138,10 +145,35 @@ class MTPProposer:
         v = u + mla_output(o, x, aw, cfg)
         y = rms_norm(v, lw["post_attention_layernorm.weight"], eps)
         i = cfg.num_hidden_layers + j
-        v = v + (moe_forward(y, lw.sub("block_sparse_moe."), cfg) if cfg.is_moe_layer(i)
+        v = v + (self._moe(j, y, lw.sub("block_sparse_moe.")) if cfg.is_moe_layer(i)
                  else dense_mlp(y, lw.sub("mlp."), cfg))
         logits = rms_norm(v, lw["shared_head.norm.weight"], eps) @ self.head[j].T
         return logits.to(acc), v, c_kv, k_pe
+
+    def _moe(self, j: int, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """The MTP layer's (Latent)MoE with the engine's routing and expert ops (k3serve.kernels.ops: no
+        per-expert loop, no host sync on CUDA); the reference `moe_forward` when the experts are neither."""
+        cfg = self.cfg
+        ex = self.experts[j]
+        if ex is None:
+            return moe_forward(x, w, cfg)
+        acc = acc_dtype(self.dtype)
+        bias = w["gate.e_score_correction_bias"].to(acc) if "gate.e_score_correction_bias" in w else None
+        weights, ids = ops.moe_route(
+            linear(x.to(acc), w["gate.weight"].to(acc)), bias, cfg.num_experts_per_token,
+            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
+            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
+            scoring=cfg.router_activation)
+        z = linear(x, w["routed_expert_down_proj.weight"]) if cfg.routed_expert_hidden_size else x
+        r = ops.moe_experts(z, weights, ids, activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
+                            situ_linear_beta=cfg.situ_linear_beta, **ex).to(x.dtype)
+        if cfg.routed_expert_hidden_size:
+            if cfg.latent_moe_use_norm:
+                r = rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
+            r = linear(r, w["routed_expert_up_proj.weight"])
+        if cfg.num_shared_experts:
+            r = r + dense_mlp(x, w.sub("shared_experts."), cfg)
+        return r
 
     # -- the engine's calls ------------------------------------------------------------------------
     def _cache(self, rid: str) -> _ReqCache:
@@ -151,7 +183,7 @@ class MTPProposer:
             cap = 64
             rc = _ReqCache([_LayerCache(torch.zeros(cap, cfg.kv_lora_rank, dtype=self.dtype, device=dev),
                                         torch.zeros(cap, cfg.qk_rope_head_dim, dtype=self.dtype, device=dev),
-                                        torch.zeros(cap, dtype=torch.long, device=dev))
+                                        np.zeros(cap, dtype=np.int64))
                             for _ in range(self.n)])
             self.reqs[rid] = rc
         return rc
@@ -168,20 +200,21 @@ class MTPProposer:
         positions = torch.arange(start, start + verified, device=dev)
         nxt = torch.tensor(ids[start + 1:start + verified + 1], dtype=torch.long, device=dev)
         for j, c in enumerate(rc.layers):
-            if c.n and int(c.pos[c.n - 1]) >= start:  # recomputation: drop entries from `start` on
-                c.n = int(torch.searchsorted(c.pos[:c.n], torch.tensor(start, device=dev)))
+            if c.n and c.pos[c.n - 1] >= start:  # recomputation: drop entries from `start` on
+                c.n = int(np.searchsorted(c.pos[:c.n], start))
             logits, h_next, c_kv, k_pe = self._layer(j, hidden[:verified], nxt, positions, c)
             need = c.n + verified
             if need > c.c_kv.shape[0]:
                 cap = max(need, 2 * c.c_kv.shape[0])
-                for name in ("c_kv", "k_pe", "pos"):
+                for name in ("c_kv", "k_pe"):
                     old = getattr(c, name)
                     new = torch.zeros((cap, *old.shape[1:]), dtype=old.dtype, device=dev)
                     new[:c.n] = old[:c.n]
                     setattr(c, name, new)
+                c.pos = np.concatenate([c.pos[:c.n], np.zeros(cap - c.n, dtype=np.int64)])
             c.c_kv[c.n:need] = c_kv
             c.k_pe[c.n:need] = k_pe
-            c.pos[c.n:need] = positions
+            c.pos[c.n:need] = np.arange(start, start + verified)
             c.n = need
             if j == 0:
                 rc.last = (logits[-1], h_next[-1])
@@ -190,26 +223,23 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, req) -> list[int]:
         """Greedy drafts after req.all_token_ids (whose last token is the one just sampled): needs the
-        step that verified position len - 2 to have been observed."""
+        step that verified position len - 2 to have been observed. The drafts stay on the device until
+        the last one (one host sync per request and step)."""
         rc = self.reqs.get(req.request_id)
         if rc is None or rc.last is None or rc.last_pos != req.num_tokens - 2:
             return []
         logits, h = rc.last
-        d = int(torch.argmax(logits))
-        drafts = [d]
-        hs, toks = [h], [d]
+        toks = [torch.argmax(logits)]  # ties -> the lowest id, as the reference
+        hs = [h]
         dev = self.device
         base = rc.last_pos + 1
         for s in range(1, self.k):
             j = s % self.n
             positions = torch.arange(base, base + s, device=dev)
-            lg, hn, _c, _p = self._layer(j, torch.stack(hs), torch.tensor(toks, dtype=torch.long, device=dev),
-                                         positions, rc.layers[j])
-            d = int(torch.argmax(lg[-1]))
-            drafts.append(d)
+            lg, hn, _c, _p = self._layer(j, torch.stack(hs), torch.stack(toks), positions, rc.layers[j])
+            toks.append(torch.argmax(lg[-1]))
             hs.append(hn[-1])
-            toks.append(d)
-        return drafts
+        return torch.stack(toks).tolist()
 
     def drop(self, request_id: str) -> None:
         self.reqs.pop(request_id, None)
