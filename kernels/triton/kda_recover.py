@@ -150,10 +150,11 @@ def _commit_state_kernel(kg_ptr, u_ptr, alog_ptr, bias_ptr, pool_ptr, counts_ptr
                          HAS_LB: tl.constexpr):
     """Request r's commit at one layer: gate from the recorded raw gate, fold, a store at each length.
 
-    One program per (request, head, V block) walks the request's tokens once and stores its slice at
-    each of the request's lengths (entries seg[r]..seg[r+1], counts ascending); the checkpoint slice is
-    read before the program's first store and no other program touches it, so the last out slot may be
-    the checkpoint's own.
+    One program per (request, head, V block) walks the request's tokens once (up to its longest length:
+    entries seg[r]..seg[r+1], counts ascending) and after each token stores its slice into the entries
+    whose length ends there; the checkpoint slice is read before the program's first store and no other
+    program touches it, so the last out slot may be the checkpoint's own. (No loop bound is carried
+    from one entry to the next: that form passed the interpreter but not the H200.)
     """
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -172,23 +173,27 @@ def _commit_state_kernel(kg_ptr, u_ptr, alog_ptr, bias_ptr, pool_ptr, counts_ptr
     S = tl.load(pool_ptr + s0 * pool_stride + slice_off, mask=(init != 0) & mv[:, None], other=0.0).to(tl.float32)
     a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     bias = tl.load(bias_ptr + h * K + rk).to(tl.float32)
-    t0 = e0 * 0
-    for n in range(e0, e1):
-        c = tl.load(counts_ptr + n)
-        for t in range(t0, c):
-            kx = tl.load(kg_row + t * kg_st + h * kg_sh + rk).to(tl.float32)
-            if L2NORM:
-                kx = kx * tl.rsqrt(tl.sum(kx * kx, axis=0) + 1e-6)
-            z = tl.load(kg_row + t * kg_st + h * kg_sh + K + rk).to(tl.float32) + bias
-            if HAS_LB:
-                gx = lower_bound * tl.sigmoid(a * z)
-            else:
-                gx = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-            ux = tl.load(u_row + t * u_st + h * u_sh + rv, mask=mv, other=0.0).to(tl.float32)
-            S = S * tl.exp(gx)[None, :] + ux[:, None] * kx[None, :]
+    for n in range(e0, e1):  # lengths 0: the checkpoint itself
         out = tl.load(outs_ptr + n).to(tl.int64)
-        tl.store(pool_ptr + out * pool_stride + slice_off, S.to(pool_ptr.dtype.element_ty), mask=mv[:, None])
-        t0 = c
+        keep = tl.load(counts_ptr + n) == 0
+        tl.store(pool_ptr + out * pool_stride + slice_off, S.to(pool_ptr.dtype.element_ty), mask=mv[:, None] & keep)
+    c_max = tl.load(counts_ptr + e1 - 1, mask=e1 > e0, other=0)  # counts ascending: the request's longest
+    for t in range(0, c_max):
+        kx = tl.load(kg_row + t * kg_st + h * kg_sh + rk).to(tl.float32)
+        if L2NORM:
+            kx = kx * tl.rsqrt(tl.sum(kx * kx, axis=0) + 1e-6)
+        z = tl.load(kg_row + t * kg_st + h * kg_sh + K + rk).to(tl.float32) + bias
+        if HAS_LB:
+            gx = lower_bound * tl.sigmoid(a * z)
+        else:
+            gx = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+        ux = tl.load(u_row + t * u_st + h * u_sh + rv, mask=mv, other=0.0).to(tl.float32)
+        S = S * tl.exp(gx)[None, :] + ux[:, None] * kx[None, :]
+        for n in range(e0, e1):  # the lengths that end at this token
+            out = tl.load(outs_ptr + n).to(tl.int64)
+            keep = tl.load(counts_ptr + n) == t + 1
+            tl.store(pool_ptr + out * pool_stride + slice_off, S.to(pool_ptr.dtype.element_ty),
+                     mask=mv[:, None] & keep)
 
 
 @triton.jit(do_not_specialize=["C"])
