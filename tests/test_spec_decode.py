@@ -356,8 +356,9 @@ def test_fixed_shape_verify_steps_equal_reference(tmp_path_factory, drafter):
     seed = MTP_SEEDS[1]
     d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
     k = 3
-    llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, static_decode=True, max_num_batched_tokens=64,
-              speculative_config={"method": "mtp" if drafter == "mtp" else "ngram", "num_speculative_tokens": k})
+    llm = _llm(d, {"method": "mtp" if drafter == "mtp" else "ngram", "num_speculative_tokens": k},
+               static_decode=True, max_num_batched_tokens=64)
+    commits = _record_commits(llm)
     if drafter != "mtp":
         llm.engine.proposer = ShortOracle({tuple(p): r for p, r in zip(prompts, ref)}, k, cfg.vocab_size, seed)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(MAX_NEW))]
@@ -365,4 +366,7 @@ def test_fixed_shape_verify_steps_equal_reference(tmp_path_factory, drafter):
     sv = llm.engine.runner.static_verify
     assert sv is not None and sv.num_steps > 0
     if drafter != "mtp":
-        assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+        assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0 and commits
+        resend = [p + r[:FIRST] for p, r in zip(prompts, ref)]  # the commits' snapshots are exact
+        assert [o.outputs[0].token_ids for o in llm.generate(resend, _greedy(MAX_NEW - FIRST))] == [
+            r[FIRST:] for r in ref]

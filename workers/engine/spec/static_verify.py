@@ -3,8 +3,8 @@
 A step whose every chunk is a verify chunk (1 + k' tokens, 1 <= k' <= k; no prefill, no plain decode, no
 schedule-time snapshot export) runs as a batch of `size` rows of T = 1 + k tokens each, `size` the smallest
 capture size (workers/engine/model_runner.py `capture_sizes`) >= the number of requests; rows past the
-real ones are padding (state slots -1, so the KDA ops skip them and their exports; cache slots -1; their
-context reads the never-allocated null block 0). The batch always lives in the same persistent buffers
+real ones are padding (state slots -1, so the KDA ops skip them; cache slots -1; their context reads the
+never-allocated null block 0; their exports repeat row 0's first one). The batch always lives in the same persistent buffers
 and carries the same number of checkpoint exports (offsets 1..k of every row into its multi-slot
 blocks, workers/engine/spec/rollback.py), so on CUDA one graph per size is captured and replayed, as the
 decode graphs are. A chunk with k' < k drafts is padded with copies of its last token: their cache
@@ -135,8 +135,13 @@ class StaticVerify:
             si = np.full(size, -1, dtype=np.int64)
             si[:n] = tb.kda[gi][rows]
             state_indices.append(put(buf.state_indices[gi], si))
-        ck_seq = put(self.ck_seq, np.repeat(np.arange(size, dtype=np.int64), k))
-        ck_off = put(self.ck_off, np.tile(np.arange(1, T, dtype=np.int64), size))
+        # every row exports offsets 1..k into its blocks; a padding row's k exports repeat row 0's first one
+        # (the same state into the same block: the count stays fixed, no op sees an export of a skipped row)
+        seqs = np.repeat(np.arange(size, dtype=np.int64), k)
+        offsets = np.tile(np.arange(1, T, dtype=np.int64), size)
+        seqs[n * k:], offsets[n * k:] = 0, 1
+        ck_seq = put(self.ck_seq, seqs)
+        ck_off = put(self.ck_off, offsets)
         verify_rows = []
         for i, c in enumerate(chunks):
             # num_tokens = T even for a padded chunk: its running block ends after the pad tokens, so the
@@ -145,9 +150,10 @@ class StaticVerify:
                                          sched.spec_slots[c.request_id]))
         ck_slots = []
         for gi in range(len(r.layout.kda_groups)):
-            s = np.zeros(size * k, dtype=np.int64)  # padding rows: never written (their state slot is -1)
+            s = np.zeros(size * k, dtype=np.int64)
             for i, v in enumerate(verify_rows):
                 s[i * k:(i + 1) * k] = v.spec_slots[gi][:k]
+            s[n * k:] = s[0]
             ck_slots.append(put(self.ck_slots[gi], s))
         r._verify_rows = {v.request_id: v for v in verify_rows}
         logits_idx = put(buf.logits_indices, np.arange(size * T, dtype=np.int64))
