@@ -17,7 +17,8 @@ on the same prompts in the same run; `accept len` = mean tokens per verify step 
 `acc@i` = fraction of verify steps whose draft i was accepted; `same` = requests whose tokens equal the
 baseline's (greedy: all of them, up to float rounding off float64); `spec state` = the speculation-only
 state one request holds (the rollback scheme's KDA bytes: workers/engine/spec/rollback.py `state_bytes`
-at batch 1, plus the MTP layer's latent cache at the end of the longest request).
+at batch 1, plus the MTP layer's latent cache at the end of the longest request). After the table: how
+many verify steps ran on the fixed-shape path (CUDA graphs on a GPU; workers/engine/spec/static_verify.py).
 """
 
 from __future__ import annotations
@@ -175,6 +176,13 @@ def main(argv=None) -> None:
                         + ([round(x / drafts, 2) for x in c[2:]] if c else [0.0] * k)
                         + [f"{same}/{len(prompts)}", round(r.state_bytes() / 1024, 1)])
     print_table(headers, rows)
+    for cname, r in engines:  # on CUDA: verify steps that replayed a graph (workers/engine/spec/static_verify.py)
+        sv = getattr(r.llm.engine.runner, "static_verify", None)
+        if r.spec is not None:
+            steps = sum(c[0] for c in r.counts.values() if c)
+            print(f"{cname}: {sv.num_steps if sv is not None else 0} of ~{steps} verify steps on the fixed-shape "
+                  f"{'graph' if args.device.startswith('cuda') else 'batch'} path"
+                  + ("" if sv is None or sv.enabled else " (graphs switched off: see the warning)"))
 
 
 if __name__ == "__main__":
