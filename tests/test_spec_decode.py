@@ -370,3 +370,18 @@ def test_fixed_shape_verify_steps_equal_reference(tmp_path_factory, drafter):
         resend = [p + r[:FIRST] for p, r in zip(prompts, ref)]  # the commits' snapshots are exact
         assert [o.outputs[0].token_ids for o in llm.generate(resend, _greedy(MAX_NEW - FIRST))] == [
             r[FIRST:] for r in ref]
+
+
+def test_ngram_drafter_is_the_reference_rule():
+    """The engine's vectorized prompt lookup == workers/model/ngram_proposer.py on random repetitive ids."""
+    from k3serve.workers.engine.spec.proposers import NgramDrafter
+    from k3serve.workers.model.ngram_proposer import NgramProposer
+
+    rng = random.Random(0)
+    for case in range(400):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        k = rng.randint(1, 4)
+        V = rng.choice([2, 3, 5, 20])
+        ids = [rng.randrange(V) for _ in range(rng.randint(1, 40))]
+        assert NgramDrafter(k, lo, hi).propose_ids(ids) == NgramProposer(k, lo, hi).propose(ids), (case, ids)

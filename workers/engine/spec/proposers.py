@@ -37,7 +37,9 @@ from k3serve.workers.model.ngram_proposer import NgramProposer
 
 
 class NgramDrafter:
-    """Prompt lookup (workers/model/ngram_proposer.py) over the request's own tokens."""
+    """Prompt lookup over the request's own tokens: exactly workers/model/ngram_proposer.py's rule (longest
+    suffix first, its latest earlier occurrence), searched with numpy (one vectorized compare per suffix
+    length instead of a Python loop over positions)."""
 
     needs_hidden = False
 
@@ -48,7 +50,19 @@ class NgramDrafter:
         pass
 
     def propose(self, req) -> list[int]:
-        return self.lookup.propose(req.all_token_ids)
+        return self.propose_ids(req.all_token_ids)
+
+    def propose_ids(self, token_ids) -> list[int]:
+        lk = self.lookup
+        a = np.asarray(token_ids, dtype=np.int64)
+        T = a.shape[0]
+        for n in range(min(lk.prompt_lookup_max, T - 1), lk.prompt_lookup_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(a[:T - 1], n)  # starts 0 .. T-n-1
+            hits = np.flatnonzero((windows == a[T - n:]).all(axis=1))
+            if hits.size:
+                follow = int(hits[-1]) + n
+                return a[follow:follow + lk.num_speculative_tokens].tolist()
+        return []
 
     def drop(self, request_id: str) -> None:
         pass
