@@ -166,6 +166,9 @@ def main(argv=None) -> None:
             for k in [int(v) for v in a.k.split(",")]:
                 tp, tm, tr, mm, mr, acc = case(H, d, B, k, dev, dt, iters)
                 rows.append([name, H, d, B, k, acc, tp, tm, tr, tm / tr, mm, mr, mm / mr])
+                # progress as each case finishes (a run stopped at a time limit still reports these)
+                print(f"# {name} batch {B} k {k}: plain {tp:.1f} us, multi_slot {tm:.1f} us, recover_ssm {tr:.1f} us",
+                      file=sys.stderr, flush=True)
     print(f"# device {dev} ({torch.cuda.get_device_name(dev) if cuda else 'cpu'}), activations {dt}, "
           f"one KDA layer, median of {iters}")
     print_table(["shape", "H", "d", "batch", "k", "mean kept", "plain us", "multi_slot us", "recover_ssm us",
