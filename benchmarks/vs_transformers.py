@@ -18,8 +18,9 @@ For every batch size, the same mixed-length prompts (lengths uniform in [--min-l
 
 Each side is warmed up once (a small batch), then timed `--repeats` times alternately (the best time
 counts, so a noisy neighbour hurts neither side more). Printed per batch size: both sides' generated
-tokens/s (end to end, prefill included), the ratio, and how many requests' greedy tokens agree with
-transformers'. In float32 against transformers' exact PyTorch path every request must agree (the script
+tokens/s (end to end, prefill included, wall clock), their ratio, the ratio of the process CPU time the two
+spent (on a shared CPU with `--threads 1` the steadier figure: time spent waiting for a core is not in
+it), and how many requests' greedy tokens agree with transformers'. In float32 against transformers' exact PyTorch path every request must agree (the script
 exits 1 otherwise); with FLA (TF32 inside its float32 kernels) or in bf16 agreement is reported only.
 
 Exit code 2 with one line where transformers (or its KimiLinear) is not installed, or for bad arguments.
@@ -212,25 +213,28 @@ def main(argv: list[str] | None = None) -> int:
         warm = make_prompts(min(n, 2), lo, lo, vocab, args.seed + 1000)
         hf_generate(hf, warm, 2, args.device)
         engine_generate(llm, warm, 2)
-        t_hf, t_en = [], []
+        t_hf, t_en, c_hf, c_en = [], [], [], []
         for _ in range(args.repeats):
             _sync(args.device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             want = hf_generate(hf, prompts, new, args.device)
             _sync(args.device)
             t_hf.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            c_hf.append(time.process_time() - c0)
+            t0, c0 = time.perf_counter(), time.process_time()
             got = engine_generate(llm, prompts, new)
             _sync(args.device)
             t_en.append(time.perf_counter() - t0)
+            c_en.append(time.process_time() - c0)
         del llm
         agree = sum(a == b for a, b in zip(got, want))
         if exact and agree != n:
             bad.append(n)
         tok = n * new
         rows.append([n, sum(map(len, prompts)), tok / min(t_hf), tok / min(t_en), min(t_hf) / min(t_en),
-                     f"{agree}/{n}"])
-    print_table(["prompts", "prompt tokens", "transformers tok/s", "engine tok/s", "ratio", "greedy agree"], rows)
+                     min(c_hf) / min(c_en), f"{agree}/{n}"])
+    print_table(["prompts", "prompt tokens", "transformers tok/s", "engine tok/s", "ratio", "CPU-time ratio",
+                 "greedy agree"], rows)
     if bad:
         print(f"vs_transformers: greedy tokens differ from transformers' exact path at batch sizes {bad}",
               file=sys.stderr)
