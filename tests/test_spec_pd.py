@@ -1,5 +1,5 @@
 """Speculative decoding under P/D: a prefill worker WITHOUT speculation and a decode worker WITH it (MTP,
-multi-slot rollback) stay compatible — speculation-only state (the spec KDA blocks, the MTP layer's latent
+either rollback scheme) stay compatible — speculation-only state (the spec KDA blocks, the MTP layer's latent
 cache) is outside the page layout NIXL exchanges. Real `k3serve worker --role prefill|decode` processes,
 NIXL (UCX over shared memory) between them, float64 random model with an (untrained) MTP layer: the
 decode side pulls the prompt's pages, recomputes the last prompt token, drafts and verifies; greedy tokens
@@ -8,6 +8,7 @@ must equal the plain reference forward. The decode worker's /metrics shows the v
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import subprocess
@@ -21,11 +22,11 @@ from tests.test_pd_workers import _W, _metric, _start, _wait_ready, pd
 SEED = 0  # a random config with one MTP layer (workers/model/testing.py)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+@pytest.fixture(scope="module", params=["multi_slot", "recover_ssm"])
+def pair(tmp_path_factory, request):
     d = random_model_dir(tmp_path_factory.mktemp("spec-pd"), SEED)
     cache = ["--enable-prefix-caching", "--prefix-cache-retention-interval", "dense"]
-    spec = '{"method": "mtp", "num_speculative_tokens": 3, "rollback": "multi_slot"}'
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 3, "rollback": request.param})
     procs = {"P": _start(d, "prefill", "--block-size", "16", *cache),
              "D": _start(d, "decode", "--block-size", "32", "--speculative-config", spec, *cache,
                          env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"})}
