@@ -196,21 +196,23 @@ def test_mtp_drafts_equal_the_reference_drafter(tmp_path_factory, seed):
 
     d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
     k = 3
-    llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_batched_tokens=16,
+    llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_batched_tokens=32,
               speculative_config={"method": "mtp", "num_speculative_tokens": k})
     prop = llm.engine.proposer
     seen: list[tuple[list[int], list[int]]] = []
-    orig = prop.propose
+    orig = prop.propose_batch
+    batched = []
 
-    def record(req):
-        drafts = orig(req)
-        seen.append((list(req.all_token_ids), drafts))
+    def record(reqs):
+        drafts = orig(reqs)
+        batched.append(len(reqs))
+        seen.extend((list(r.all_token_ids), d) for r, d in zip(reqs, drafts))
         return drafts
 
-    prop.propose = record
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], _greedy(8))] == [r[:8] for r in ref[:2]]
+    prop.propose_batch = record
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], _greedy(8))] == [r[:8] for r in ref[:3]]
     model = load_reference_model(str(d), dtype=torch.float64)
-    assert len(seen) >= 6
+    assert len(seen) >= 9 and max(batched) > 1  # several requests drafted in one batch
     for toks, drafts in seen:
         target_next, want = mtp_propose(model, toks[:-1], k)
         assert target_next == toks[-1]

@@ -495,6 +495,7 @@ class LLMEngine:
         prop = self.proposer
         hidden = self.runner.model.hidden if prop.needs_hidden else None
         first = 0
+        decoding = []
         for c in sched.chunks:
             n = len(c.token_ids)
             s = self.seqs.get(c.request_id)
@@ -507,7 +508,10 @@ class LLMEngine:
                 prop.observe(req, c.start, hidden[first:first + verified], verified)
             first += n
             if req.num_tokens - req.num_computed_tokens == 1:
-                req.spec_token_ids = prop.propose(req)
+                decoding.append(req)
+        batch = getattr(prop, "propose_batch", None)  # all requests at once (a test drafter may lack it)
+        for req, d in zip(decoding, batch(decoding) if batch else [prop.propose(r) for r in decoding]):
+            req.spec_token_ids = d
 
     def _process_token(self, s: _Seq, tok: int, lp, now: float, last: bool = True) -> None:
         """The output processor: the scheduler appended `tok` and applied the token-level stops;

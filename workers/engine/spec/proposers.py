@@ -52,6 +52,9 @@ class NgramDrafter:
     def propose(self, req) -> list[int]:
         return self.propose_ids(req.all_token_ids)
 
+    def propose_batch(self, reqs) -> list[list[int]]:
+        return [self.propose_ids(r.all_token_ids) for r in reqs]
+
     def propose_ids(self, token_ids) -> list[int]:
         lk = self.lookup
         a = np.asarray(token_ids, dtype=np.int64)
@@ -127,42 +130,56 @@ class MTPProposer:
 
     # -- the layer ---------------------------------------------------------------------------------
     def _layer(self, j: int, h_prev: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-               cache: _LayerCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """MTP layer j over query pairs (h_prev [Tq, H], next_ids [Tq]) at `positions` [Tq], attending to
-        `cache`'s entries and then to the queries themselves (causally). Returns (logits [Tq, V] acc dtype,
-        h_next [Tq, H], the queries' latents c_kv [Tq, r] and k_pe [Tq, dr])."""
+               caches: list[_LayerCache]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MTP layer j over R requests' query pairs (h_prev [R, s, H], next_ids [R, s]) at `positions`
+        [R, s]; request b's queries attend to `caches[b]`'s entries and then to its own queries (causally).
+        Returns (logits [R, s, V] acc dtype, h_next [R, s, H], the queries' latents c_kv [R * s, r] and
+        k_pe [R * s, dr])."""
         cfg, dtype = self.cfg, self.dtype
+        R, s = next_ids.shape
         lw = self.layer_w[j]
         eps = cfg.rms_norm_eps
-        e = self.embed[j][next_ids].to(dtype)
-        e = e.masked_fill((positions == 0)[:, None], 0)
-        u = linear(torch.cat([rms_norm(e, lw["enorm.weight"], eps), rms_norm(h_prev.to(dtype), lw["hnorm.weight"],
-                                                                               eps)], -1), lw["eh_proj.weight"])
+        pos = positions.reshape(-1)
+        e = self.embed[j][next_ids.reshape(-1)].to(dtype)
+        e = e.masked_fill((pos == 0)[:, None], 0)
+        h_in = h_prev.reshape(R * s, -1).to(dtype)
+        u = linear(torch.cat([rms_norm(e, lw["enorm.weight"], eps), rms_norm(h_in, lw["hnorm.weight"], eps)], -1),
+                   lw["eh_proj.weight"])
         x = rms_norm(u, lw["input_layernorm.weight"], eps)
         aw = lw.sub("self_attn.")
-        q_nope, q_pe, c_kv, k_pe = mla_project(x, aw, cfg, positions)
-        keys_c = torch.cat([cache.c_kv[:cache.n], c_kv], 0)
-        keys_pe = torch.cat([cache.k_pe[:cache.n], k_pe], 0)
+        q_nope, q_pe, c_kv, k_pe = mla_project(x, aw, cfg, pos)
         h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        dr = cfg.qk_rope_head_dim
+        dev = positions.device
+        smax = max(c.n for c in caches)
+        keys_c = torch.zeros(R, smax + s, r, dtype=dtype, device=dev)
+        keys_pe = torch.zeros(R, smax + s, dr, dtype=dtype, device=dev)
+        for b, c in enumerate(caches):
+            keys_c[b, :c.n] = c.c_kv[:c.n]
+            keys_pe[b, :c.n] = c.k_pe[:c.n]
+        keys_c[:, smax:] = c_kv.view(R, s, r)
+        keys_pe[:, smax:] = k_pe.view(R, s, dr)
+        # a query sees its request's cached entries (all at earlier positions) and its queries up to itself
+        lens = torch.tensor([c.n for c in caches], device=dev)
+        mask = torch.zeros(R, s, smax + s, dtype=torch.bool, device=dev)
+        mask[:, :, :smax] = torch.arange(smax, device=dev)[None, None, :] >= lens[:, None, None]
+        mask[:, :, smax:] = torch.ones(s, s, dtype=torch.bool, device=dev).triu(1)
         wkv = aw["kv_b_proj.weight"].to(dtype).reshape(h, dn + dv, r)
-        q_lat = torch.einsum("qhd,hdr->qhr", q_nope, wkv[:, :dn, :])
+        q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope.reshape(R, s, h, dn), wkv[:, :dn, :])
         scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-        scores = torch.einsum("qhr,sr->hqs", q_lat, keys_c) + torch.einsum("qhd,sd->hqs", q_pe, keys_pe)
-        # a query sees the cached entries (all at earlier positions) and the queries up to itself
-        nq = positions.shape[0]
-        mask = torch.zeros(nq, cache.n + nq, dtype=torch.bool, device=positions.device)
-        mask[:, cache.n:] = torch.ones(nq, nq, dtype=torch.bool, device=positions.device).triu(1)
+        scores = (torch.einsum("bqhr,bkr->bhqk", q_lat, keys_c)
+                  + torch.einsum("bqhd,bkd->bhqk", q_pe.reshape(R, s, h, dr), keys_pe))
         acc = acc_dtype(dtype)
-        p = torch.softmax((scores * scale).to(acc).masked_fill(mask[None], float("-inf")), dim=-1).to(dtype)
-        o_lat = torch.einsum("hqs,sr->qhr", p, keys_c)
-        o = torch.einsum("qhr,hvr->qhv", o_lat, wkv[:, dn:, :])
+        p = torch.softmax((scores * scale).to(acc).masked_fill(mask[:, None], float("-inf")), dim=-1).to(dtype)
+        o_lat = torch.einsum("bhqk,bkr->bqhr", p, keys_c)
+        o = torch.einsum("bqhr,hvr->bqhv", o_lat, wkv[:, dn:, :]).reshape(R * s, h, dv)
         v = u + mla_output(o, x, aw, cfg)
         y = rms_norm(v, lw["post_attention_layernorm.weight"], eps)
         i = cfg.num_hidden_layers + j
         v = v + (self._moe(j, y, lw.sub("block_sparse_moe.")) if cfg.is_moe_layer(i)
                  else dense_mlp(y, lw.sub("mlp."), cfg))
         logits = rms_norm(v, lw["shared_head.norm.weight"], eps) @ self.head[j].T
-        return logits.to(acc), v, c_kv, k_pe
+        return logits.to(acc).view(R, s, -1), v.view(R, s, -1), c_kv, k_pe
 
     def _moe(self, j: int, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The MTP layer's (Latent)MoE with the engine's routing and expert ops (k3serve.kernels.ops: no
@@ -216,7 +233,8 @@ class MTPProposer:
         for j, c in enumerate(rc.layers):
             if c.n and c.pos[c.n - 1] >= start:  # recomputation: drop entries from `start` on
                 c.n = int(np.searchsorted(c.pos[:c.n], start))
-            logits, h_next, c_kv, k_pe = self._layer(j, hidden[:verified], nxt, positions, c)
+            logits, h_next, c_kv, k_pe = self._layer(j, hidden[None, :verified], nxt[None], positions[None], [c])
+            logits, h_next = logits[0], h_next[0]
             need = c.n + verified
             if need > c.c_kv.shape[0]:
                 cap = max(need, 2 * c.c_kv.shape[0])
@@ -234,26 +252,37 @@ class MTPProposer:
                 rc.last = (logits[-1], h_next[-1])
                 rc.last_pos = start + verified - 1
 
-    @torch.inference_mode()
     def propose(self, req) -> list[int]:
-        """Greedy drafts after req.all_token_ids (whose last token is the one just sampled): needs the
-        step that verified position len - 2 to have been observed. The drafts stay on the device until
-        the last one (one host sync per request and step)."""
-        rc = self.reqs.get(req.request_id)
-        if rc is None or rc.last is None or rc.last_pos != req.num_tokens - 2:
-            return []
-        logits, h = rc.last
-        toks = [torch.argmax(logits)]  # ties -> the lowest id, as the reference
-        hs = [h]
+        return self.propose_batch([req])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, reqs) -> list[list[int]]:
+        """Greedy drafts after each request's all_token_ids (whose last token is the one just sampled), all
+        requests in one layer call per draft step; [] for a request whose step that verified position
+        len - 2 was not observed. The drafts stay on the device until the last (one host sync a step)."""
+        out: list[list[int]] = [[] for _ in reqs]
+        ready = []
+        for i, req in enumerate(reqs):
+            rc = self.reqs.get(req.request_id)
+            if rc is not None and rc.last is not None and rc.last_pos == req.num_tokens - 2:
+                ready.append((i, rc))
+        if not ready:
+            return out
         dev = self.device
-        base = rc.last_pos + 1
+        rcs = [rc for _i, rc in ready]
+        toks = [torch.stack([torch.argmax(rc.last[0]) for rc in rcs])]  # [R] each; ties -> the lowest id
+        hs = [torch.stack([rc.last[1] for rc in rcs])]  # [R, H] each
+        base = torch.tensor([rc.last_pos + 1 for rc in rcs], device=dev)
         for s in range(1, self.k):
             j = s % self.n
-            positions = torch.arange(base, base + s, device=dev)
-            lg, hn, _c, _p = self._layer(j, torch.stack(hs), torch.stack(toks), positions, rc.layers[j])
-            toks.append(torch.argmax(lg[-1]))
-            hs.append(hn[-1])
-        return torch.stack(toks).tolist()
+            positions = base[:, None] + torch.arange(s, device=dev)[None, :]
+            lg, hn, _c, _p = self._layer(j, torch.stack(hs, 1), torch.stack(toks, 1), positions,
+                                         [rc.layers[j] for rc in rcs])
+            toks.append(torch.argmax(lg[:, -1], dim=-1))
+            hs.append(hn[:, -1])
+        for (i, _rc), d in zip(ready, torch.stack(toks, 1).tolist()):
+            out[i] = d
+        return out
 
     def drop(self, request_id: str) -> None:
         self.reqs.pop(request_id, None)
