@@ -105,11 +105,12 @@ def kda_decode(
     S = state_pool.index_select(0, idx)  # [N, h, V, K]
     if not all_init:
         S = torch.where(init[:, None, None, None], S, 0)
-    S = S.mul_(torch.exp(g)[:, :, None, :]).view(N * h, V, K)
-    u = beta.reshape(N * h, 1) * (v.reshape(N * h, V) - torch.bmm(S, k.reshape(N * h, K, 1))[..., 0])
-    S = torch.baddbmm(S, u[:, :, None], k.reshape(N * h, 1, K))  # S + u kᵀ
-    state_pool.index_copy_(0, idx, S.view(N, h, V, K))
-    o = torch.bmm(S, q.reshape(N * h, K, 1)).view(N, h, V)
+    # matrix-vector products as multiply + row sums: a batched GEMM with one column is ~3x slower here
+    S = S.mul_(torch.exp(g)[:, :, None, :])
+    u = beta[:, :, None] * (v - (S * k[:, :, None, :]).sum(-1))
+    S.add_(u[:, :, :, None] * k[:, :, None, :])  # S + u kᵀ, in place
+    state_pool.index_copy_(0, idx, S)
+    o = (S * q[:, :, None, :]).sum(-1)
     return (rms_norm(o, o_norm_weight.to(dt), eps) * torch.sigmoid(gate.reshape(N, h, V).to(dt))).to(qkv.dtype)
 
 

@@ -51,7 +51,7 @@ def mla_paged_attention(
     pages = block_tables[rows, : math.ceil(n_k / bs)].to(torch.long)
     kv = kv_cache[pages].reshape(len(single), -1, kv_cache.shape[-1])[:, :n_k].to(dt)  # [D, n_k, L+R]
     past = torch.arange(n_k)[None, :] >= torch.tensor([lens[b] for b in single])[:, None]  # [D, n_k]
-    kv = kv.masked_fill(past[:, :, None], 0)  # whatever the unused page tails hold never reaches the output
+    kv.masked_fill_(past[:, :, None], 0)  # (a fresh copy) whatever the unused page tails hold never reaches the output
     c, k_pe = kv[..., :L], kv[..., L:]
     s = torch.bmm(q_lat[tok].to(dt), c.transpose(1, 2)) + torch.bmm(q_pe[tok].to(dt), k_pe.transpose(1, 2))
     s = (s * scale).masked_fill(past[:, None, :], float("-inf"))
