@@ -495,7 +495,7 @@ class LLMEngine:
         prop = self.proposer
         hidden = self.runner.model.hidden if prop.needs_hidden else None
         first = 0
-        decoding = []
+        decoding, seen = [], []
         for c in sched.chunks:
             n = len(c.token_ids)
             s = self.seqs.get(c.request_id)
@@ -505,10 +505,12 @@ class LLMEngine:
                 continue
             if hidden is not None:
                 verified = req.num_computed_tokens - c.start  # a verify chunk keeps 1 + accepted drafts
-                prop.observe(req, c.start, hidden[first:first + verified], verified)
+                seen.append((req, c.start, hidden[first:first + verified], verified))
             first += n
             if req.num_tokens - req.num_computed_tokens == 1:
                 decoding.append(req)
+        if seen:
+            prop.observe_batch(seen)
         batch = getattr(prop, "propose_batch", None)  # all requests at once (a test drafter may lack it)
         for req, d in zip(decoding, batch(decoding) if batch else [prop.propose(r) for r in decoding]):
             req.spec_token_ids = d

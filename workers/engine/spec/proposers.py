@@ -219,38 +219,65 @@ class MTPProposer:
             self.reqs[rid] = rc
         return rc
 
-    @torch.inference_mode()
     def observe(self, req, start: int, hidden: torch.Tensor, verified: int) -> None:
-        if verified <= 0:
-            return
-        ids = req.all_token_ids
-        if len(ids) < start + verified + 1:
-            return  # the token after the last verified one is not known (cannot happen for running requests)
-        rc = self._cache(req.request_id)
+        self.observe_batch([(req, start, hidden, verified)])
+
+    @torch.inference_mode()
+    def observe_batch(self, items) -> None:
+        """items: (request, start, hidden [verified, H], verified) per chunk the step computed. Decode and
+        verify chunks (at most 1 + k rows) go through each MTP layer together (rows padded per request);
+        a prefill chunk alone."""
+        small = []
+        for req, start, hidden, verified in items:
+            if verified <= 0 or len(req.all_token_ids) < start + verified + 1:
+                continue  # nothing verified, or the token after the last one unknown (not for running requests)
+            if verified <= self.k + 1:
+                small.append((req, start, hidden, verified))
+            else:
+                self._observe_group([(req, start, hidden, verified)], verified)
+        if small:
+            self._observe_group(small, max(v for *_x, v in small))
+
+    def _observe_group(self, items, s: int) -> None:
         dev = self.device
-        positions = torch.arange(start, start + verified, device=dev)
-        nxt = torch.tensor(ids[start + 1:start + verified + 1], dtype=torch.long, device=dev)
-        for j, c in enumerate(rc.layers):
-            if c.n and c.pos[c.n - 1] >= start:  # recomputation: drop entries from `start` on
-                c.n = int(np.searchsorted(c.pos[:c.n], start))
-            logits, h_next, c_kv, k_pe = self._layer(j, hidden[None, :verified], nxt[None], positions[None], [c])
-            logits, h_next = logits[0], h_next[0]
-            need = c.n + verified
-            if need > c.c_kv.shape[0]:
-                cap = max(need, 2 * c.c_kv.shape[0])
-                for name in ("c_kv", "k_pe"):
-                    old = getattr(c, name)
-                    new = torch.zeros((cap, *old.shape[1:]), dtype=old.dtype, device=dev)
-                    new[:c.n] = old[:c.n]
-                    setattr(c, name, new)
-                c.pos = np.concatenate([c.pos[:c.n], np.zeros(cap - c.n, dtype=np.int64)])
-            c.c_kv[c.n:need] = c_kv
-            c.k_pe[c.n:need] = k_pe
-            c.pos[c.n:need] = np.arange(start, start + verified)
-            c.n = need
-            if j == 0:
-                rc.last = (logits[-1], h_next[-1])
-                rc.last_pos = start + verified - 1
+        R = len(items)
+        H = items[0][2].shape[-1]
+        h = torch.zeros(R, s, H, dtype=items[0][2].dtype, device=dev)
+        ids = torch.zeros(R, s, dtype=torch.long)
+        starts = torch.tensor([start for _r, start, _h, _v in items])
+        for b, (req, start, hidden, v) in enumerate(items):
+            h[b, :v] = hidden[:v]
+            ids[b, :v] = torch.tensor(req.all_token_ids[start + 1:start + v + 1])
+        ids = ids.to(dev)
+        positions = (starts[:, None] + torch.arange(s)[None, :]).to(dev)
+        rcs = [self._cache(req.request_id) for req, *_x in items]
+        for j in range(self.n):
+            caches = [rc.layers[j] for rc in rcs]
+            for c, (_req, start, _h, _v) in zip(caches, items):
+                if c.n and c.pos[c.n - 1] >= start:  # recomputation: drop entries from `start` on
+                    c.n = int(np.searchsorted(c.pos[:c.n], start))
+            logits, h_next, c_kv, k_pe = self._layer(j, h, ids, positions, caches)
+            c_kv, k_pe = c_kv.view(R, s, -1), k_pe.view(R, s, -1)
+            for b, (c, (_req, start, _h, v)) in enumerate(zip(caches, items)):
+                self._append(c, c_kv[b, :v], k_pe[b, :v], start, v)
+                if j == 0:
+                    rcs[b].last = (logits[b, v - 1], h_next[b, v - 1])
+                    rcs[b].last_pos = start + v - 1
+
+    def _append(self, c: _LayerCache, c_kv: torch.Tensor, k_pe: torch.Tensor, start: int, v: int) -> None:
+        need = c.n + v
+        if need > c.c_kv.shape[0]:
+            cap = max(need, 2 * c.c_kv.shape[0])
+            for name in ("c_kv", "k_pe"):
+                old = getattr(c, name)
+                new = torch.zeros((cap, *old.shape[1:]), dtype=old.dtype, device=old.device)
+                new[:c.n] = old[:c.n]
+                setattr(c, name, new)
+            c.pos = np.concatenate([c.pos[:c.n], np.zeros(cap - c.n, dtype=np.int64)])
+        c.c_kv[c.n:need] = c_kv
+        c.k_pe[c.n:need] = k_pe
+        c.pos[c.n:need] = np.arange(start, start + v)
+        c.n = need
 
     def propose(self, req) -> list[int]:
         return self.propose_batch([req])[0]
