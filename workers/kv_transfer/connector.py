@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 DEFAULT_EXPIRY_S = 120.0
 DEFAULT_TIMEOUT_S = 10.0
 MAX_OUTCOMES = 10_000
+REPORT_WAIT_S = 0.05  # rank 0 of a multi-rank decode worker: longest wait for the other ranks' reports per step
 POISON_ENV = "K3SERVE_KV_POISON_FREE_PAGES"  # tests: fill every free page with 0xFF at start
 
 
@@ -376,6 +377,10 @@ class NixlWorker(KVConnectorWorker):
             out.append((src, self._local[key], (peer.remote_side[src], peer.prepared[("remote", src)])))
         return mapping, out
 
+    def pending(self) -> bool:
+        """Whether a pull of this rank is still running (a handshake or a READ)."""
+        return bool(self._inflight or self._handshakes)
+
     def _fail(self, job: PullJob, reason: str, detail: str = "") -> None:
         log.warning("KV pull for %s fell back to recompute (%s%s)", job.request_id, reason,
                     f": {detail}" if detail else "")
@@ -397,8 +402,10 @@ class NixlWorker(KVConnectorWorker):
         others = self._others.get(rid, {})
         if rid not in self._own or len(others) < self.tp_size - 1:
             return
-        ok, outcome, seconds, nbytes, notify, _t = self._own.pop(rid)
+        ok, outcome, seconds, nbytes, notify, t_own = self._own.pop(rid)
         self._others.pop(rid, None)
+        if seconds is not None:  # the pull lasts until the last rank's share is in
+            seconds += time.monotonic() - t_own
         if ok and all(others.values()):
             if notify is not None:
                 try:
@@ -418,7 +425,9 @@ class NixlWorker(KVConnectorWorker):
     def _poll_reports(self) -> None:
         if not self._group or self._reports is None:
             return
-        for rank, rep in self._reports():
+        # ranks' shares that ended this step are reported right after it: wait a little for them rather
+        # than a whole idle cycle of the engine (0.25 s) when this rank's own share is already in
+        for rank, rep in self._reports(REPORT_WAIT_S if self._own else 0.0):
             for rid, good in [(r, True) for r in rep.get("done", ())] + [(r, False) for r in rep.get("failed", ())]:
                 self._others.setdefault(rid, {})[rank] = good
                 self._settle(rid)

@@ -124,12 +124,23 @@ def _nixl_meta(meta):
     return NixlMeta(step=getattr(meta, "step", 0))
 
 
+def _report_pulls(transfer, conn) -> None:
+    """Send rank 0 the request ids whose pull on this rank ended (done or failed)."""
+    out = transfer.get_finished()
+    if out.finished_recving or out.failed_recving:
+        conn.send(("recv", {"done": sorted(out.finished_recving), "failed": sorted(out.failed_recving)}))
+
+
 def _transfer_reports(peers):
-    """Rank 0's poll of the other ranks' pull outcomes: [(rank, {"done": [...], "failed": [...]})]."""
-    def poll():
+    """Rank 0's poll of the other ranks' pull outcomes: [(rank, {"done": [...], "failed": [...]})], waiting
+    up to `wait_s` for a first message from each rank (they report right after the step both just ran)."""
+    def poll(wait_s: float = 0.0):
         out = []
+        deadline = time.monotonic() + wait_s
         for rank, _proc, conn in peers:
-            while conn.poll(0):
+            first = True
+            while conn.poll(max(0.0, deadline - time.monotonic()) if first else 0):
+                first = False
                 msg = conn.recv()
                 if msg[0] == "recv":
                     out.append((rank, msg[1]))
@@ -318,6 +329,9 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
             transfer, endpoint = _rank_transfer(rank, spec, runner)
             conn.send(("transfer", endpoint.to_plain()))
         while True:
+            # a pull of this rank still running: report it the moment it ends, not at rank 0's next step
+            while transfer is not None and transfer.pending() and not conn.poll(0.002):
+                _report_pulls(transfer, conn)
             try:
                 sched = conn.recv()
             except EOFError:  # rank 0 is gone
@@ -329,9 +343,7 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
                 transfer.start_load_kv(_nixl_meta(sched.kv_connector_metadata))
             runner.execute(sched)
             if transfer is not None:
-                out = transfer.get_finished()
-                if out.finished_recving or out.failed_recving:
-                    conn.send(("recv", {"done": sorted(out.finished_recving), "failed": sorted(out.failed_recving)}))
+                _report_pulls(transfer, conn)
         if transfer is not None:
             transfer.shutdown()
     except BaseException as e:  # noqa: BLE001 - reported to rank 0 (while starting) and in the exit status
