@@ -179,6 +179,10 @@ def test_into_a_tp2_decode_worker_from_tp1_and_tp2_prefill(pair, tp2_decode, mod
             ref = _reference_logprobs(model, prompt, toks)
             assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-9, (src, i, lps, ref)
             assert res["outcome"] == "pulled" and res["pulled_tokens"] == len(prompt) - 1, (src, res)
+    # the result counts every decode rank's share: both hold the (replicated) MLA pages, so more bytes than
+    # the one-rank decode worker pulls for the same prompt
+    _t, _l, one = _decode(pair["D"], "one-rank", prompts[-1], 1, prefill_hop(tp2_decode["P1"], "one-p", prompts[-1], 1))
+    assert one["outcome"] == "pulled" and res["bytes"] > one["bytes"] > 0, (res, one)
     for prefill in (tp2_decode["P1"], pair["P"]):  # every decode rank done -> the prefill pages were released
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -307,7 +307,9 @@ class NixlWorker(KVConnectorWorker):
         self._reports = None  # () -> [(rank, {"done": [...], "failed": [...]})] from the other ranks
         self._own: dict[str, tuple] = {}  # rid -> (ok, Outcome, seconds, bytes_by_view, notify)
         self._others: dict[str, dict[int, bool]] = {}
+        self._other_bytes: dict[str, dict[str, int]] = {}  # rid -> bytes by view the other ranks pulled
         self._done: set[str] = set()
+        self.pulled_bytes: dict[str, dict[str, int]] = {}  # ranks 1..: bytes by view of each pull, until reported
 
     # setup -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv) -> None:
@@ -392,6 +394,8 @@ class NixlWorker(KVConnectorWorker):
         if not self._group:
             (self._done if ok else self._failed).add(rid)
             self.ledger.record(rid, outcome, seconds=seconds, bytes_by_view=bytes_by_view)
+            if ok and self.tp_rank > 0:
+                self.pulled_bytes[rid] = dict(bytes_by_view or {})
             return
         self._own[rid] = (ok, outcome, seconds, bytes_by_view, notify, time.monotonic())
         self._settle(rid)
@@ -407,6 +411,10 @@ class NixlWorker(KVConnectorWorker):
         if seconds is not None:  # the pull lasts until the last rank's share is in
             seconds += time.monotonic() - t_own
         if ok and all(others.values()):
+            for view, n in self._other_bytes.pop(rid, {}).items():  # the whole request's bytes, every rank's
+                nbytes = dict(nbytes or {})
+                nbytes[view] = nbytes.get(view, 0) + n
+                outcome.bytes += n
             if notify is not None:
                 try:
                     self.agent.notify(*notify)
@@ -419,6 +427,7 @@ class NixlWorker(KVConnectorWorker):
             bad = sorted(r for r, good in others.items() if not good)
             log.warning("KV pull for %s fell back to recompute: rank(s) %s could not pull their share", rid, bad)
             outcome = Outcome("recomputed", "transfer_failed", 0, outcome.local_cached_tokens)
+        self._other_bytes.pop(rid, None)
         self._failed.add(rid)
         self.ledger.record(rid, outcome)
 
@@ -428,6 +437,10 @@ class NixlWorker(KVConnectorWorker):
         # ranks' shares that ended this step are reported right after it: wait a little for them rather
         # than a whole idle cycle of the engine (0.25 s) when this rank's own share is already in
         for rank, rep in self._reports(REPORT_WAIT_S if self._own else 0.0):
+            for rid, views in rep.get("bytes", {}).items():
+                acc = self._other_bytes.setdefault(rid, {})
+                for view, n in views.items():
+                    acc[view] = acc.get(view, 0) + int(n)
             for rid, good in [(r, True) for r in rep.get("done", ())] + [(r, False) for r in rep.get("failed", ())]:
                 self._others.setdefault(rid, {})[rank] = good
                 self._settle(rid)

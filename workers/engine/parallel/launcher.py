@@ -128,7 +128,9 @@ def _report_pulls(transfer, conn) -> None:
     """Send rank 0 the request ids whose pull on this rank ended (done or failed)."""
     out = transfer.get_finished()
     if out.finished_recving or out.failed_recving:
-        conn.send(("recv", {"done": sorted(out.finished_recving), "failed": sorted(out.failed_recving)}))
+        nbytes = {rid: transfer.pulled_bytes.pop(rid) for rid in out.finished_recving if rid in transfer.pulled_bytes}
+        conn.send(("recv", {"done": sorted(out.finished_recving), "failed": sorted(out.failed_recving),
+                            "bytes": nbytes}))
 
 
 def _transfer_reports(peers):
