@@ -73,6 +73,15 @@ class Row:
         self.toks: dict[str, list[list[int]]] = {}
         self.counts: dict[str, list[int]] = {}  # set -> [drafts, accepted, per position...]
         self.mtp_bytes = 0
+        prop = getattr(self.llm.engine, "proposer", None)
+        if prop is not None and hasattr(prop, "cache_bytes"):  # the MTP cache's size when a request leaves
+            drop = prop.drop
+
+            def measured_drop(rid, prop=prop, drop=drop):
+                self.mtp_bytes = max(self.mtp_bytes, prop.cache_bytes())
+                drop(rid)
+
+            prop.drop = measured_drop
 
     def warm_up(self, prompt: list[int]) -> None:
         from k3serve.sampling_params import SamplingParams
@@ -101,9 +110,6 @@ class Row:
         acc = self.counts.setdefault(set_name, [0] * len(after))
         for i, (a, b) in enumerate(zip(after, before)):
             acc[i] += a - b
-        prop = getattr(self.llm.engine, "proposer", None)
-        if prop is not None and hasattr(prop, "cache_bytes"):
-            self.mtp_bytes = max(self.mtp_bytes, prop.cache_bytes())
 
     def state_bytes(self) -> int:
         if self.spec is None:
