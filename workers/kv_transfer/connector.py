@@ -444,9 +444,12 @@ class NixlWorker(KVConnectorWorker):
             for rid, good in [(r, True) for r in rep.get("done", ())] + [(r, False) for r in rep.get("failed", ())]:
                 self._others.setdefault(rid, {})[rank] = good
                 self._settle(rid)
-        # a rank that never answers (its READs end within 3 timeouts of their post, workers below): the
-        # request must not wait forever; its pages are recomputed once no READ can still write them
-        late = time.monotonic() - 4 * self.timeout_s
+        # a rank that never answers (its handshake ends within HANDSHAKE_TIMEOUT_S, its READs within 3
+        # timeouts of their post: get_finished below): the request must not wait forever; its pages are
+        # recomputed once no READ can still write them
+        from k3serve.workers.kv_transfer.handshake import HANDSHAKE_TIMEOUT_S
+
+        late = time.monotonic() - (4 * self.timeout_s + HANDSHAKE_TIMEOUT_S)
         for rid in [r for r, own in self._own.items() if own[-1] < late]:
             others = self._others.setdefault(rid, {})
             missing = [r for r in range(1, self.tp_size) if r not in others]
