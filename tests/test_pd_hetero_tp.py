@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 
 import grpc
@@ -269,3 +270,14 @@ def test_killed_prefill_rank_exits_the_worker_and_decode_recomputes(pair, model,
     toks, res = decode_hop(d, "kill", prompt, 5, kvp)
     assert toks == want and res["outcome"] == "recomputed", res
     assert res["reason"] in ("transfer_failed", "peer_unreachable", "timeout"), res
+
+
+def test_hetero_benchmark_smoke(tiny_model_dir):
+    """benchmarks/pd_hetero_tp.py runs (its own workers on the tiny model) and prints both rows."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "pd_hetero_tp.py"
+    out = subprocess.run([sys.executable, str(bench), "--requests", "1", "--tokens", "64"], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONSAFEPATH="1"), check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("prefill tp")]
+    assert [r.split()[1] for r in rows] == ["tp1", "tp2"], out
