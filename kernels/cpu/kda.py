@@ -16,7 +16,8 @@ one sequence (and, in decode, one token) at a time, these walk the batch togethe
   reference does).
 
 Chunk boundaries are this module's own (they do not change the result: the chunk form is exact); the
-`chunk_size` argument is validated only. Inputs outside the fast path (a state slot shared by two
+`chunk_size` argument is validated only. A padded sequence (state slot -1) reads and writes nothing,
+its checkpoint exports included (skipped, as in the reference and kernels/triton/kda_chunk.py). Inputs outside the fast path (a state slot shared by two
 sequences, mixed dtypes) go to the reference op.
 """
 
@@ -224,6 +225,8 @@ def kda_chunked(
             for r in range(nrun):
                 chunk_of[(order[r], j)] = c0 + r
         for b in sorted(kb.ckpts):
+            if kb.slots[b] < 0:  # a padded sequence: its exports are skipped, as the reference and Triton forms do
+                continue
             for off, slot in kb.ckpts[b]:
                 j, n = (off - 1) // C, off - (off - 1) // C * C
                 c = chunk_of[(b, j)]
