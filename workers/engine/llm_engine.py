@@ -149,8 +149,8 @@ class LLMEngine:
             from k3serve.workers.engine.parallel.dp_engine import check_dp_layout
 
             check_dp_layout(cfg, args)
-        elif tp != 1:  # workers/engine/parallel/
-            from k3serve.workers.engine.parallel.shard import check_layout
+        elif tp != 1 or int(getattr(args, "nnodes", 1) or 1) != 1 or int(getattr(args, "node_rank", 0) or 0):
+            from k3serve.workers.engine.parallel.shard import check_layout  # workers/engine/parallel/
 
             check_layout(cfg, args)  # a layout that cannot shard the model: one clear error, no rank started
         layout = plan_cache_layout(cfg, self.dtype, args.block_size, tp_size=tp)

@@ -45,6 +45,12 @@ def check_layout(cfg, args) -> None:
     tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
     ep = bool(getattr(args, "enable_expert_parallel", False))
     sp = bool(getattr(args, "enable_sequence_parallel", False))
+    from k3serve.workers.engine.parallel.nodes import layout_problem
+
+    nodes = layout_problem(  # the worker's own check (workers/worker.py)
+        tp, int(getattr(args, "nnodes", 1) or 1), int(getattr(args, "node_rank", 0) or 0))
+    if nodes:  # e.g. nnodes=2 with one rank: the same one-line error the worker gives
+        raise ValueError(nodes)
     why = []
     if tp < 1:
         why.append(f"tensor_parallel_size must be >= 1 (got {tp})")
