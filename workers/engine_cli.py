@@ -136,7 +136,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 kw["metavar"] = spec.metavar
         g.add_argument(opt, *spec.aliases, **kw)
     g.add_argument("--num-threads", type=_argparse_type(positive_int), default=None,
-                   help="torch CPU threads (default: torch's)")
+                   help="torch CPU threads, of every rank of a multi-rank engine (default: torch's; with more "
+                        "than one rank, each rank's share of the host's CPUs)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
 
@@ -169,6 +170,9 @@ def start_engine(args: argparse.Namespace, model: str) -> ServedEngine:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+        from k3serve.workers.engine.parallel.threads import ENV  # a multi-rank engine: every rank's threads
+
+        os.environ[ENV] = str(args.num_threads)
     try:
         engine = LLMEngine.from_args(engine_args_from(args, model))
     except (ValueError, OSError) as e:  # bad option values, or no usable checkpoint at `model`

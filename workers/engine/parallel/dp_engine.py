@@ -191,20 +191,23 @@ def start_dp_runner(ctx: DPContext, args, cfg, weights, layout, num_blocks: int,
     rank has loaded its shard, so a rank that fails to load is an error, not a rendezvous timeout)."""
     rank_cfg, shard, emap = dep_shard(cfg, weights, ctx.rank, ctx.size, dtype)
     del weights
+    threads = [torch.get_num_threads()]  # each rank's torch threads, rank 0 first (diagnostics, tests)
     if ctx.rank == 0:
         for rank, proc, conn in ctx.peers:
             msg = wait_message(rank, proc, conn, STARTUP_TIMEOUT_S)
             if msg[0] != "loaded":
                 raise RankFailedError(f"data-parallel rank {rank} failed to start: {msg[1]}")
+            threads.append(int((msg[1] or {}).get("threads", 0)))
         store = ctx.store
     else:
-        ctx.conn.send(("loaded", None))
+        ctx.conn.send(("loaded", {"threads": threads[0]}))
         store = join_store(ctx.port, ctx.size, STARTUP_TIMEOUT_S)
     group = RankGroup(store, ctx.rank, ctx.size, ctx.timeout_s)
     runner = DEPModelRunner(rank_cfg, shard, layout, num_blocks, dtype, group=group, expert_map=emap,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_model_len=max_model_len, peers=ctx.peers if ctx.rank == 0 else ())
     runner.store = store  # kept alive: the group's rendezvous
+    runner.rank_threads = threads if ctx.rank == 0 else threads[:1]
     return runner
 
 

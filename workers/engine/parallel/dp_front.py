@@ -24,8 +24,6 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable
 
-import torch
-
 from k3serve.kv_events.types import KVEvent
 from k3serve.workers.engine.parallel.dp_engine import (
     DPContext,
@@ -38,6 +36,7 @@ from k3serve.workers.engine.parallel.dp_engine import (
 )
 from k3serve.workers.engine.parallel.group import host_store
 from k3serve.workers.engine.parallel.launcher import DEFAULT_TIMEOUT_S, STARTUP_TIMEOUT_S
+from k3serve.workers.engine.parallel.threads import set_rank_threads
 
 _SUMMED = ("running", "waiting", "free_pages", "total_pages", "kda_slots_used", "kda_slots_total",
            "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_mla_hits",
@@ -83,8 +82,9 @@ class DPEngine:
 
         check_dp_layout(K3Config.from_pretrained(args.model), args)  # before any rank starts
         self.size = size = int(args.data_parallel_size)
+        threads = set_rank_threads(size)  # every rank (this one too) its share of the host's CPUs
         store = host_store(size, STARTUP_TIMEOUT_S)
-        spec = RankArgs(args, store.port, size, DEFAULT_TIMEOUT_S, torch.get_num_threads())
+        spec = RankArgs(args, store.port, size, DEFAULT_TIMEOUT_S, threads)
         ctx = mp.get_context("spawn")
         peers = []
         try:

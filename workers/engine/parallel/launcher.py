@@ -24,6 +24,9 @@ the runner stays failed, and the other ranks are stopped. A rank whose rank 0 is
 and exits with status 1. Ranks spanning nodes (`nnodes` > 1: the leader node's ranks are spawned here,
 the other nodes' ranks connect to rank 0 over TCP and stand in `peers` like local ones):
 workers/engine/parallel/nodes.py.
+
+Threads: every rank, rank 0 too when it shares its host with other ranks, runs its share of the host's
+CPUs as torch threads (workers/engine/parallel/threads.py; `ranks_per_host` / `num_threads` of the spec).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from k3serve.workers.engine.parallel.group import LOOPBACK, RankGroup, host_stor
 from k3serve.workers.engine.parallel.layers import ParallelK3ForwardModel
 from k3serve.workers.engine.parallel.seq_parallel import SequenceParallelK3ForwardModel
 from k3serve.workers.engine.parallel.shard import ShardPlan, load_shard, shard_weights
+from k3serve.workers.engine.parallel.threads import override as threads_override
+from k3serve.workers.engine.parallel.threads import set_rank_threads
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,8 @@ class RankSpec:
     host: str = LOOPBACK  # this rank's gloo listener (its node's address when the group spans nodes)
     store_host: str = LOOPBACK  # where rank 0's store listens
     sequence_parallel: bool = False  # workers/engine/parallel/seq_parallel.py
+    ranks_per_host: int = 1  # ranks sharing a host's CPUs: each takes its share (workers/engine/parallel/threads.py)
+    num_threads: int | None = None  # every rank's torch threads when set (K3SERVE_RANK_THREADS on rank 0's host)
 
 
 def _wants_transfer(args) -> tuple | None:
@@ -232,6 +239,7 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     ep = bool(getattr(args, "enable_expert_parallel", False))
     sp = bool(getattr(args, "enable_sequence_parallel", False))
     timeout_s = DEFAULT_TIMEOUT_S
+    forced_threads = threads_override()  # K3SERVE_RANK_THREADS (a malformed value: an error before any rank)
     nodes = multinode.NodeLayout.from_args(args)  # groups spanning nodes: workers/engine/parallel/nodes.py
     if nodes.node_rank != 0:
         raise ValueError(f"node_rank={nodes.node_rank}: only node 0 runs the engine; the other nodes run ranks "
@@ -249,7 +257,11 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     spec = RankSpec(args.model, dtype, size, ep, store.port, layout, num_blocks, args.max_num_batched_tokens,
                     args.max_num_seqs, max_model_len, bool(args.static_decode), timeout_s, _wants_transfer(args),
                     sequence_parallel=sp)
-    spec = dataclasses.replace(spec, host=bind, store_host=bind)
+    local = size if use_ray else nodes.per_node  # ranks on one host (Ray: PACKed bundles, counted as one host)
+    spec = dataclasses.replace(spec, host=bind, store_host=bind, ranks_per_host=local,
+                               num_threads=forced_threads)
+    if local > 1:  # rank 0 shares its host with the others: its share too (workers/engine/parallel/threads.py)
+        set_rank_threads(local, spec.num_threads)
     ctx = mp.get_context("spawn")
     peers = []
     try:
@@ -272,10 +284,12 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
         else:
             rank_cfg, shard = shard_weights(cfg, weights, plan, dtype)
         del weights
+        threads = [torch.get_num_threads()]  # each rank's torch threads, rank 0 first (diagnostics, tests)
         for rank, proc, conn in peers:  # each rank reports "loaded" (or its error) before the group forms
             msg = _wait_message(rank, proc, conn, STARTUP_TIMEOUT_S)
             if msg[0] != "loaded":
                 raise RankFailedError(f"tensor-parallel rank {rank} failed to start: {msg[1]}")
+            threads.append(int((msg[1] or {}).get("threads", 0)))
         group = RankGroup(store, 0, size, timeout_s, host=bind)
         runner = ParallelModelRunner(rank_cfg, shard, layout, num_blocks, dtype, group=group, plan=plan,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
@@ -294,6 +308,7 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
         _stop_peers(peers)
         raise
     runner.store = store  # kept alive: the group's rendezvous
+    runner.rank_threads = threads
     if args.static_decode is not None:
         runner.static_decode = bool(args.static_decode)
     return runner
@@ -317,9 +332,10 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
     """A spawned rank: load its shard, join the group, execute steps until rank 0 says stop or goes away."""
     status = 0
     try:
+        set_rank_threads(spec.ranks_per_host, spec.num_threads)  # before any torch work: the host's CPU share
         cfg, plan, rank_cfg, shard = load_shard(spec.model, spec.dtype, rank, spec.size, spec.expert_parallel,
                                                 spec.sequence_parallel)  # only this rank's slices
-        conn.send(("loaded", None))
+        conn.send(("loaded", {"threads": torch.get_num_threads()}))
         group = RankGroup(join_store(spec.port, spec.size, STARTUP_TIMEOUT_S, host=spec.store_host), rank,
                           spec.size, spec.timeout_s, host=spec.host)
         runner = ParallelModelRunner(rank_cfg, shard, spec.layout, spec.num_blocks, spec.dtype, group=group,

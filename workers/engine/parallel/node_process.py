@@ -54,7 +54,15 @@ def remote_rank_main(rank: int, nodes: NodeLayout, bind_host: str, notify, paren
         print(f"{PROG}: rank {rank}: {e}", file=sys.stderr, flush=True)
         os._exit(1)
     leader_ip = link.peer.rsplit(":", 1)[0]
-    rank_main(rank, dataclasses.replace(spec, host=bind_host, store_host=leader_ip, port=nodes.master_port), link)
+    from k3serve.workers.engine.parallel.threads import override
+
+    try:  # this node's own K3SERVE_RANK_THREADS (or --num-threads) wins over the leader's
+        threads = override() or spec.num_threads
+    except ValueError as e:
+        print(f"{PROG}: rank {rank}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
+    rank_main(rank, dataclasses.replace(spec, host=bind_host, store_host=leader_ip, port=nodes.master_port,
+                                        ranks_per_host=nodes.per_node, num_threads=threads), link)
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -86,6 +94,10 @@ class _Health(http.server.BaseHTTPRequestHandler):
 def run_node(args, msock) -> int:
     """The node process (node_rank > 0); `msock` is the bound metrics socket. Returns the exit status."""
     nodes = NodeLayout.from_args(args)
+    if getattr(args, "num_threads", None):  # every rank of this node (workers/engine/parallel/threads.py)
+        from k3serve.workers.engine.parallel.threads import ENV
+
+        os.environ[ENV] = str(args.num_threads)
     ctx = mp.get_context("spawn")
     ranks = []
     for rank in nodes.local_ranks:
