@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from . import cpu, reference
+from .cpu import kda_verify as _cpu_kda_verify
 
 TRITON = "triton"
 _AUTOLOAD_MODULE = "k3serve.kernels.triton_ops"
@@ -231,6 +232,41 @@ def kda_decode(
     )
 
 
+KDA_VERIFY_MAX_TOKENS = _cpu_kda_verify.MAX_TOKENS  # longest sequence `kda_verify`'s token walk takes
+
+
+def kda_verify(
+    qkv,
+    conv_weight,
+    conv_states,
+    raw_g,
+    A_log,
+    dt_bias,
+    beta_logit,
+    state_pool,
+    state_indices,
+    cu_seqlens,
+    has_initial_state,
+    *,
+    lower_bound=None,
+    scale=None,
+    checkpoint_seq=None,
+    checkpoint_offsets=None,
+    checkpoint_slots=None,
+):
+    """A KDA layer's short conv, gate and delta rule over a batch of short chunks (speculative verify steps):
+    o [T, H, V] before o_norm. CPU tensors: the token walk of k3serve/kernels/cpu/kda_verify.py; otherwise (or
+    with K3SERVE_KERNELS set) its contract, `kda_verify_composed`, from this module's conv, gate and chunked ops."""
+    args = (qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit, state_pool, state_indices,
+            cu_seqlens, has_initial_state)
+    kw = dict(lower_bound=lower_bound, scale=scale, checkpoint_seq=checkpoint_seq,
+              checkpoint_offsets=checkpoint_offsets, checkpoint_slots=checkpoint_slots)
+    if not qkv.is_cuda and not os.environ.get("K3SERVE_KERNELS", ""):
+        return _cpu_kda_verify.kda_verify(*args, **kw)
+    return _cpu_kda_verify.kda_verify_composed(*args, **kw, conv=causal_conv1d_varlen, gate=kda_gate,
+                                               chunked=kda_chunked)
+
+
 def attn_res(partial, delta, blocks, w_norm, w_q, w_out, n, write_idx, eps, eps_out=None, round_dtype=None):
     return _impl("attn_res", partial)(
         partial, delta, blocks, w_norm, w_q, w_out, n, write_idx, eps, eps_out, round_dtype
@@ -309,4 +345,4 @@ for _name in reference.OPS:  # the wrappers document themselves with the referen
     globals()[_name].__doc__ = getattr(reference, _name).__doc__
 del _name
 
-__all__ = [*reference.OPS, "register_impl", "unregister_impl", "registered"]
+__all__ = [*reference.OPS, "kda_verify", "register_impl", "unregister_impl", "registered"]

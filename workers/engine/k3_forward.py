@@ -133,6 +133,12 @@ class K3ForwardModel:
         qkv, gate = qkv.contiguous(), gate.contiguous()
         if b.spec is not None and b.spec.kda_mix is not None:  # a rollback scheme's verify (spec/rollback.py)
             o = b.spec.kda_mix(self, i, j, gi, qkv, raw_g, b_logit, b)
+        elif not qkv.is_cuda and self._short_rows(b):
+            # every sequence a few tokens (verify chunks, decodes): conv + gate + the delta rule token by token,
+            # checkpoint exports from the per-token states (kernels/cpu/kda_verify.py), not the chunked form
+            o = ops.kda_verify(qkv, self.conv_w[i], self.kv.conv_view(j), raw_g, w["A_log"], w["dt_bias"], b_logit,
+                               self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens, b.has_initial_state,
+                               lower_bound=cfg.gate_lower_bound, scale=d ** -0.5, **self._ckpt(b, gi))
         else:
             ck = self._ckpt(b, gi)
             qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
@@ -145,6 +151,12 @@ class K3ForwardModel:
         o = ops.rms_norm(o.to(self.acc), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps)
         o = (o * torch.sigmoid(gate.view(T, h, d).to(self.acc))).to(x.dtype)
         return linear(o.reshape(T, P), w["o_proj.weight"])
+
+    @staticmethod
+    def _short_rows(b: ForwardBatch) -> bool:
+        """Every sequence of the batch at most ops' KDA_VERIFY_MAX_TOKENS tokens (kernels/cpu/kda_verify.py)."""
+        cu = b.cu_seqlens
+        return cu.numel() > 1 and int((cu[1:] - cu[:-1]).max()) <= ops.KDA_VERIFY_MAX_TOKENS
 
     @staticmethod
     def _ckpt(b: ForwardBatch, gi: int) -> dict:
