@@ -79,6 +79,13 @@ def _pool(role: str, *, tp: int, dp: int, gpus_per_node: int, replicas: int) -> 
                 "tensorParallelSize x dataParallelSize).",
                 default=True,
             ),
+            "sequenceParallel": boolean(
+                "TEP with sequence parallelism (--enable-sequence-parallel): between attention layers each "
+                "tensor-parallel rank keeps a shard of the tokens (reduce-scatter after o_proj, MoE "
+                "all-to-all, all-gather before the next QKV). Needs expertParallel and "
+                "tensorParallelSize > 1.",
+                default=False,
+            ),
             "gpusPerNode": integer(
                 "GPUs each node gives this pool; 0 runs on CPUs (one rank per pod).",
                 default=gpus_per_node,

@@ -28,6 +28,7 @@ class PoolLayout:
     data_parallel: int
     expert_parallel: bool
     gpus_per_node: int
+    sequence_parallel: bool = False  # --enable-sequence-parallel (workers/engine/parallel/seq_parallel.py)
 
     @property
     def world(self) -> int:
@@ -77,6 +78,7 @@ def _pool(spec: dict, pool: str, role: str) -> PoolLayout:
         data_parallel=int(p["dataParallelSize"]),
         expert_parallel=bool(p["expertParallel"]),
         gpus_per_node=int(p["gpusPerNode"]),
+        sequence_parallel=bool(p.get("sequenceParallel", False)),
     )
 
 
@@ -183,6 +185,37 @@ def _experts_rule(pool: str) -> Rule:
     return Rule(
         f"{pool}-experts",
         f"spec.{pool}: with expertParallel, the group's rank count must divide numExperts",
+        check,
+        cel,
+    )
+
+
+def _sequence_parallel_rule(pool: str) -> Rule:
+    """Sequence parallelism shards the tokens over the tensor-parallel ranks and moves them to their
+    experts by all-to-all (workers/engine/parallel/shard.py check_layout says the same to the worker)."""
+
+    def check(spec: dict) -> str | None:
+        p = spec[pool]
+        if not p.get("sequenceParallel"):
+            return None
+        why = []
+        if not p["expertParallel"]:
+            why.append("expertParallel is false (the MoE all-to-all moves each token shard to whole experts)")
+        if int(p["tensorParallelSize"]) < 2:
+            why.append(f"tensorParallelSize is {p['tensorParallelSize']} (there are no ranks to shard the "
+                       "tokens over)")
+        if why:
+            return f"spec.{pool}.sequenceParallel needs expertParallel and tensorParallelSize > 1, but " + (
+                " and ".join(why))
+        return None
+
+    cel = (
+        f"!has(self.{pool}.sequenceParallel) || !self.{pool}.sequenceParallel || "
+        f"(self.{pool}.expertParallel && self.{pool}.tensorParallelSize > 1)"
+    )
+    return Rule(
+        f"{pool}-sequence-parallel",
+        f"spec.{pool}.sequenceParallel needs expertParallel and tensorParallelSize > 1",
         check,
         cel,
     )
@@ -313,6 +346,8 @@ RULES: tuple[Rule, ...] = tuple(
         _fits_nodes_rule("decode"),
         _experts_rule("prefill"),
         _experts_rule("decode"),
+        _sequence_parallel_rule("prefill"),
+        _sequence_parallel_rule("decode"),
         _pd_rule(),
         _cache_rule(),
         _offload_rule(),

@@ -89,6 +89,8 @@ def worker_args(ctx: Context, pool: PoolLayout) -> list[str]:
     ]
     if pool.expert_parallel:
         args.append("--enable-expert-parallel")
+    if pool.sequence_parallel:  # operator/layout.py: only with expert parallelism and TP > 1
+        args.append("--enable-sequence-parallel")
     if ctx.kv_store_address:
         args += ["--kv-store", ctx.kv_store_address]
         if ctx.spec["kvStore"].get("deadlineMs"):
@@ -289,6 +291,7 @@ def worker_config(ctx: Context, pool: PoolLayout) -> dict:
             "tensorParallelSize": pool.tensor_parallel,
             "dataParallelSize": pool.data_parallel,
             "expertParallel": pool.expert_parallel,
+            "sequenceParallel": pool.sequence_parallel,
             "ranksPerGroup": pool.world,
             "nodesPerGroup": pool.nodes_per_group,
             "gpusPerPod": pool.gpus_per_pod,
