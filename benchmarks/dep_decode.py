@@ -17,6 +17,7 @@ Every process (the baseline, each rank) runs --threads torch threads.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -78,9 +79,10 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per request")
     ap.add_argument("--ranks", default="2,4", help="DEP sizes to run (comma-separated)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (the ranks inherit it)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (K3SERVE_RANK_THREADS)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    os.environ["K3SERVE_RANK_THREADS"] = str(a.threads)  # every DP rank's count (workers/engine/parallel/threads.py)
     cfg = random_config(SEED)
     rng = random.Random(SEED)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, 48))] for _ in range(a.requests)]

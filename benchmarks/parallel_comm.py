@@ -25,9 +25,9 @@ ranks (the log records those).
 3. CPU overhead: wall time per decode step (as many running requests as the most ranks, so TEP+SP shards
    them: a step with fewer tokens than ranks runs the replicated TP step) and per prefill step (--tokens
    tokens) of the random model on 1 rank vs TP+EP and TEP+SP on 2 and 4 ranks, in the same run, every rank with
-   --threads torch threads (default 1, set through OMP_NUM_THREADS before torch loads, so the spawned ranks
-   inherit it: ranks that each take every core oversubscribe them, and OpenMP then runs 10-40x slower on a
-   loaded 2-core machine). The ranks share this machine's few cores and talk over loopback gloo, so the
+   --threads torch threads (default 1: OMP_NUM_THREADS before torch loads, and K3SERVE_RANK_THREADS, which
+   every rank applies, workers/engine/parallel/threads.py; ranks that each take every core oversubscribe
+   them, and OpenMP then runs 10-40x slower on a loaded 2-core machine). The ranks share this machine's few cores and talk over loopback gloo, so the
    ratios are the cost of the pipe and the collectives here (noisy, not a GPU figure).
 """
 
@@ -311,6 +311,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (OMP_NUM_THREADS)")
     a = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # before torch loads; spawned ranks inherit it
+    os.environ["K3SERVE_RANK_THREADS"] = str(a.threads)  # every rank's count (workers/engine/parallel/threads.py)
     import torch
 
     torch.set_num_threads(a.threads)
