@@ -13,7 +13,9 @@ Rows, every request alone (batch 1), greedy, `--max-tokens` new tokens: `baselin
 each speculative config: MTP with k = `--k` under both rollback schemes (multi_slot, recover_ssm),
 and ngram (prompt lookup) with the same k, multi_slot. Per row: per-user decode tok/s = (tokens - 1) /
 (last token time - first token time), the mean over the prompts; `speedup` = that over the baseline's
-on the same prompts in the same run; `accept len` = mean tokens per verify step (1 + accepted drafts);
+on the same prompts in the same run; `cpu speedup` = the same ratio with the engine thread's CPU time of
+the steps after the first token in place of the wall-clock time (steadier on a shared machine; the
+engine runs in this thread, so with `--threads 1` it is the work done); `accept len` = mean tokens per verify step (1 + accepted drafts);
 `acc@i` = fraction of verify steps whose draft i was accepted; `same` = requests whose tokens equal the
 baseline's (greedy: all of them, up to float rounding off float64); `spec state` = the speculation-only
 state one request holds (the rollback scheme's KDA bytes: workers/engine/spec/rollback.py `state_bytes`
@@ -73,6 +75,17 @@ class Row:
         self.toks: dict[str, list[list[int]]] = {}
         self.counts: dict[str, list[int]] = {}  # set -> [drafts, accepted, per position...]
         self.mtp_bytes = 0
+        self.cpu_rates: dict[str, list[float]] = {}  # the same rate over the engine thread's CPU time
+        self.steps: list[tuple[float, float]] = []  # per engine step: (monotonic start, thread CPU seconds)
+        step = self.llm.engine.step
+
+        def timed_step(step=step):
+            t, c = time.monotonic(), time.thread_time()
+            out = step()
+            self.steps.append((t, time.thread_time() - c))
+            return out
+
+        self.llm.engine.step = timed_step
         prop = getattr(self.llm.engine, "proposer", None)
         if prop is not None and hasattr(prop, "cache_bytes"):  # the MTP cache's size when a request leaves
             drop = prop.drop
@@ -99,12 +112,16 @@ class Row:
         import torch
 
         before = self._spec_counts()
+        self.steps.clear()
         out = self.llm.generate([prompt], self.sp)[0]
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         m, n = out.metrics, len(out.outputs[0].token_ids)
         dt = (m["last_token_time"] or 0) - (m["first_token_time"] or 0)
         self.rates.setdefault(set_name, []).append((n - 1) / dt if dt > 0 else float("nan"))
+        # CPU time of the steps after the first token (the engine steps in this thread; steady on a shared CPU)
+        cpu = sum(c for t, c in self.steps if t >= (m["first_token_time"] or 0))
+        self.cpu_rates.setdefault(set_name, []).append((n - 1) / cpu if cpu > 0 else float("nan"))
         self.toks.setdefault(set_name, []).append(out.outputs[0].token_ids)
         after = self._spec_counts()
         acc = self.counts.setdefault(set_name, [0] * len(after))
@@ -156,7 +173,7 @@ def main(argv=None) -> None:
                                      "prompt_lookup_max": 4, "rollback": "multi_slot"})]
     print(f"model {model}, device {args.device}, dtype {args.dtype}, k={k}, batch 1, {args.prompts} prompts "
           f"x {args.prompt_tokens} tokens per set, {args.max_tokens} new tokens, greedy")
-    headers = ["set", "config", "tok/s/user", "speedup", "accept len"] + [f"acc@{i}" for i in range(k)] + [
+    headers = ["set", "config", "tok/s/user", "speedup", "cpu speedup", "accept len"] + [f"acc@{i}" for i in range(k)] + [
         "same", "spec state KiB"]
     engines = [(cname, Row(model, args, spec)) for cname, spec in configs]
     first = next(iter(sets.values()))[0]
@@ -172,12 +189,14 @@ def main(argv=None) -> None:
     for sname, prompts in sets.items():
         base = engines[0][1]
         base_rate = statistics.mean(base.rates[sname])
+        base_cpu = statistics.mean(base.cpu_rates[sname])
         for cname, r in engines:
             rate = statistics.mean(r.rates[sname])
+            cpu_rate = statistics.mean(r.cpu_rates[sname])
             c = r.counts.get(sname) or []
             drafts = max(c[0], 1) if c else 1
             same = sum(a == b for a, b in zip(r.toks[sname], base.toks[sname]))
-            rows.append([sname, cname, round(rate, 1), round(rate / base_rate, 2),
+            rows.append([sname, cname, round(rate, 1), round(rate / base_rate, 2), round(cpu_rate / base_cpu, 2),
                          round(1 + c[1] / drafts, 2) if c else 1.0]
                         + ([round(x / drafts, 2) for x in c[2:]] if c else [0.0] * k)
                         + [f"{same}/{len(prompts)}", round(r.state_bytes() / 1024, 1)])

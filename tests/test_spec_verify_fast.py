@@ -132,3 +132,41 @@ def test_ops_kda_verify_dispatch(monkeypatch):
                chunked=reference.kda_chunked)
     for a, b in zip(ref, out):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
+def test_mtp_drafts_of_one_request_equal_the_reference_drafter(tmp_path):
+    """The MTP drafter's batch-1 form (keys without padding, workers/engine/spec/proposers.py) == mtp_propose,
+    and the engine's greedy tokens with it == the reference forward (float64, a random MTP config)."""
+    from _engine_helpers import random_model_dir, reference_outputs
+
+    from k3serve.sampling_params import SamplingParams
+    from k3serve.workers.llm import LLM
+    from k3serve.workers.model.mtp import mtp_propose
+    from k3serve.workers.model.reference import load_reference_model
+    from k3serve.workers.model.testing import random_config
+
+    seed = next(s for s in range(40) if random_config(s).num_nextn_predict_layers > 0)
+    d = random_model_dir(tmp_path, seed)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(random_config(seed).vocab_size) for _ in range(11)]
+    ref = reference_outputs(d, [prompt], 10)[0]
+    k = 3
+    llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_seqs=1,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    prop = llm.engine.proposer
+    seen = []
+    orig = prop.propose_batch
+
+    def record(reqs):
+        drafts = orig(reqs)
+        assert len(reqs) <= 1
+        seen.extend((list(r.all_token_ids), dr) for r, dr in zip(reqs, drafts))
+        return drafts
+
+    prop.propose_batch = record
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == ref
+    model = load_reference_model(str(d), dtype=torch.float64)
+    assert len(seen) >= 3 and all(len(dr) == k for _t, dr in seen)
+    for toks, drafts in seen:
+        assert mtp_propose(model, toks[:-1], k) == (toks[-1], drafts)

@@ -113,6 +113,8 @@ class MTPProposer:
             else:
                 self.experts.append({n: self.w[m + n] for n in ("w13", "w2")} if m + "w13" in self.w else None)
         self.layer_w = [LayerWeights(self.w, p) for p in prefixes]
+        hq, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.wkv = [self.w[p + "self_attn.kv_b_proj.weight"].to(dtype).reshape(hq, dn + dv, r) for p in prefixes]
         self.embed = [self._own(L + j, "embed_tokens.weight", "model.embed_tokens.weight") for j in range(n)]
         self.head = [self._own(L + j, "shared_head.head.weight", "lm_head.weight").to(dtype) for j in range(n)]
         self.device = self.w["model.embed_tokens.weight"].device
@@ -134,7 +136,8 @@ class MTPProposer:
         """MTP layer j over R requests' query pairs (h_prev [R, s, H], next_ids [R, s]) at `positions`
         [R, s]; request b's queries attend to `caches[b]`'s entries and then to its own queries (causally).
         Returns (logits [R, s, V] acc dtype, h_next [R, s, H], the queries' latents c_kv [R * s, r] and
-        k_pe [R * s, dr])."""
+        k_pe [R * s, dr]). With R == 1 only the last query's logits and h_next are exact (the others attend
+        unmasked); the callers read no other."""
         cfg, dtype = self.cfg, self.dtype
         R, s = next_ids.shape
         lw = self.layer_w[j]
@@ -152,25 +155,35 @@ class MTPProposer:
         dr = cfg.qk_rope_head_dim
         dev = positions.device
         smax = max(c.n for c in caches)
-        keys_c = torch.zeros(R, smax + s, r, dtype=dtype, device=dev)
-        keys_pe = torch.zeros(R, smax + s, dr, dtype=dtype, device=dev)
-        for b, c in enumerate(caches):
-            keys_c[b, :c.n] = c.c_kv[:c.n]
-            keys_pe[b, :c.n] = c.k_pe[:c.n]
-        keys_c[:, smax:] = c_kv.view(R, s, r)
-        keys_pe[:, smax:] = k_pe.view(R, s, dr)
         # a query sees its request's cached entries (all at earlier positions) and its queries up to itself
-        lens = torch.tensor([c.n for c in caches], device=dev)
-        mask = torch.zeros(R, s, smax + s, dtype=torch.bool, device=dev)
-        mask[:, :, :smax] = torch.arange(smax, device=dev)[None, None, :] >= lens[:, None, None]
-        mask[:, :, smax:] = torch.ones(s, s, dtype=torch.bool, device=dev).triu(1)
-        wkv = aw["kv_b_proj.weight"].to(dtype).reshape(h, dn + dv, r)
+        if R == 1:  # no padding: the cache then the queries (the common batch-1 step: a few ops fewer), and
+            # no mask: the callers read only the LAST query's outputs, which see every key
+            c = caches[0]
+            keys_c = torch.cat([c.c_kv[:c.n], c_kv])[None]
+            keys_pe = torch.cat([c.k_pe[:c.n], k_pe])[None]
+            mask = None
+        else:
+            keys_c = torch.zeros(R, smax + s, r, dtype=dtype, device=dev)
+            keys_pe = torch.zeros(R, smax + s, dr, dtype=dtype, device=dev)
+            for b, c in enumerate(caches):
+                keys_c[b, :c.n] = c.c_kv[:c.n]
+                keys_pe[b, :c.n] = c.k_pe[:c.n]
+            keys_c[:, smax:] = c_kv.view(R, s, r)
+            keys_pe[:, smax:] = k_pe.view(R, s, dr)
+            lens = torch.tensor([c.n for c in caches], device=dev)
+            mask = torch.zeros(R, s, smax + s, dtype=torch.bool, device=dev)
+            mask[:, :, :smax] = torch.arange(smax, device=dev)[None, None, :] >= lens[:, None, None]
+            mask[:, :, smax:] = torch.ones(s, s, dtype=torch.bool, device=dev).triu(1)
+        wkv = self.wkv[j]
         q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope.reshape(R, s, h, dn), wkv[:, :dn, :])
         scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
         scores = (torch.einsum("bqhr,bkr->bhqk", q_lat, keys_c)
                   + torch.einsum("bqhd,bkd->bhqk", q_pe.reshape(R, s, h, dr), keys_pe))
         acc = acc_dtype(dtype)
-        p = torch.softmax((scores * scale).to(acc).masked_fill(mask[:, None], float("-inf")), dim=-1).to(dtype)
+        scores = (scores * scale).to(acc)
+        if mask is not None:
+            scores = scores.masked_fill(mask[:, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(dtype)
         o_lat = torch.einsum("bhqk,bkr->bqhr", p, keys_c)
         o = torch.einsum("bqhr,hvr->bqhv", o_lat, wkv[:, dn:, :]).reshape(R * s, h, dv)
         v = u + mla_output(o, x, aw, cfg)
