@@ -21,6 +21,8 @@ baseline's (greedy: all of them, up to float rounding off float64); `spec state`
 state one request holds (the rollback scheme's KDA bytes: workers/engine/spec/rollback.py `state_bytes`
 at batch 1, plus the MTP layer's latent cache at the end of the longest request). After the table: how
 many verify steps ran on the fixed-shape path (CUDA graphs on a GPU; workers/engine/spec/static_verify.py).
+`--chunked-verify`: the KDA layers of verify steps take the chunked form (kernels/cpu/kda.py) instead of the
+short-chunk token walk (kernels/cpu/kda_verify.py), to compare the two on one machine.
 """
 
 from __future__ import annotations
@@ -145,7 +147,13 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
     ap.add_argument("--sets", default="code,entropy")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--chunked-verify", action="store_true",
+                    help="verify chunks through the chunked KDA form (the path before kernels/cpu/kda_verify.py)")
     args = ap.parse_args(argv)
+    if args.chunked_verify:
+        from k3serve.workers.engine.k3_forward import K3ForwardModel
+
+        K3ForwardModel._short_rows = staticmethod(lambda b: False)
     if args.threads:
         import torch
 
