@@ -210,6 +210,9 @@ def test_moe_experts_equal_reference_every_order(T, E, I, D, dtype, no_fallback,
             monkeypatch.setattr(cpu.moe, "LOOP_COST_BYTES", cost)
             _close(cpu.moe_experts(z, wts, ids, **kw), want, dtype)
             _close(cpu.moe_experts(z, wts, ids, **kmajor), want, dtype)
+        monkeypatch.setattr(cpu.moe, "GROUPED_MM", True)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # float32 with several threads: the dense form
+        _close(cpu.moe_experts(z, wts, ids, **kmajor), want, dtype)
 
 
 def test_ops_dispatch_cpu_forms_and_reference_switch(monkeypatch):

@@ -6,10 +6,13 @@ Same contract as `k3serve.kernels.reference.moe_experts` (see it). Two exact eva
   float32: both projections of every expert as ONE `torch._grouped_mm` each over the expert-sorted rows;
   float64 (which `_grouped_mm` does not take): one GEMM pair per active expert on a contiguous slice; one
   weighted `index_add_` at the end (the reference does a `nonzero`, a gather and an `index_add_` per expert);
-* dense (float64 only, up to `DENSE_MAX_TOKENS` tokens): every expert on every token in three batched
-  products (gate|up for all experts as one GEMM, the down projections as one bmm, the routing weights —
-  zero for unchosen experts — as one more), chosen when the experts nobody routes to cost fewer weight
-  bytes than the per-expert loop's fixed cost per active expert (`LOOP_COST_BYTES`).
+* dense (up to `DENSE_MAX_TOKENS` tokens; in float32 only with more than one thread): every expert on every
+  token in three batched products (gate|up for all experts, the down projections, the routing weights —
+  zero for unchosen experts), chosen when the experts nobody routes to cost fewer weight bytes than the
+  per-expert loop's fixed cost per active expert (`LOOP_COST_BYTES`). With one thread the grouped form is
+  faster at decode sizes (11.4 vs 13.3 ms per decode forward of benchmarks/vs_transformers.py's model);
+  with two the dense form is (~10-11 vs ~13 ms): its large products use both cores, the grouped form's
+  per-expert ones cannot.
 
 Packed (MXFP4) or non-float32/float64 weights go to the reference op. Any strides are accepted; the CPU
 engine stores each expert K-major (workers/engine/k3_forward.py `_prepare`), so that `w13.transpose(1, 2)`
@@ -80,9 +83,12 @@ def moe_experts(
     wts = topk_weights.to(dt)
     grouped_mm = (GROUPED_MM and dt == torch.float32 and _aligned(w13.transpose(1, 2)) and _aligned(w2.transpose(1, 2))
                   and d_in % 4 == 0 and (two_i // 2) % 4 == 0)
-    active = 0 if grouped_mm else int((counts > 0).sum())
+    # the dense form: float64 (no grouped_mm), or with several threads (grouped_mm's per-expert products are too
+    # small to split; the dense form's three large ones are not)
+    dense_ok = T <= DENSE_MAX_TOKENS and (not grouped_mm or torch.get_num_threads() > 1)
+    active = int((counts > 0).sum()) if dense_ok else 0
     bytes_per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-    if not grouped_mm and T <= DENSE_MAX_TOKENS and (E - active) * bytes_per_expert <= active * LOOP_COST_BYTES:
+    if dense_ok and (E - active) * bytes_per_expert <= active * LOOP_COST_BYTES:
         h = act(torch.bmm(z.expand(E, T, d_in), w13.transpose(1, 2)))  # [E, T, I]
         y = torch.bmm(h, w2.transpose(1, 2))  # [E, T, d_out]
         dense_w = torch.zeros(T, E, dtype=dt).scatter_add_(1, ids.clamp(min=0), torch.where(valid, wts, 0))
