@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from k3serve.kernels import ops, reference
-from k3serve.kernels.cpu import kda as cpu_kda
 from k3serve.kernels.cpu import kda_verify as kv
 
 
@@ -125,11 +124,13 @@ def test_ops_kda_verify_dispatch(monkeypatch):
     seen = []
     monkeypatch.setattr(kv, "kda_verify", lambda *a, **k: seen.append("walk") or "walk")
     assert ops.kda_verify(*inputs.values(), **kw) == "walk"
-    monkeypatch.setenv("K3SERVE_KERNELS", "reference")
-    monkeypatch.setattr(cpu_kda, "kda_chunked", None)  # the composed form must use ops', not the CPU module's
-    out = _run(ops.kda_verify, inputs, kw)
     ref = _run(kv.kda_verify_composed, inputs, kw, conv=reference.causal_conv1d_varlen, gate=reference.kda_gate,
                chunked=reference.kda_chunked)
+    monkeypatch.setenv("K3SERVE_KERNELS", "reference")
+    real = reference.kda_chunked
+    monkeypatch.setattr(reference, "kda_chunked", lambda *a, **k: seen.append("reference") or real(*a, **k))
+    out = _run(ops.kda_verify, inputs, kw)
+    assert seen == ["walk", "reference"]  # the composed form through ops' dispatch (here: the reference op)
     for a, b in zip(ref, out):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
 
