@@ -35,7 +35,16 @@ expert) is at most (active experts) x this."""
 DENSE_MAX_TOKENS = 64
 """The dense form computes E/top_k times the routed products: only for decode-sized batches."""
 
-GROUPED_MM = hasattr(torch, "_grouped_mm")
+def _grouped_mm_works() -> bool:
+    """torch._grouped_mm exists and runs on CPU float32 tensors (older torch builds have it for CUDA only)."""
+    try:
+        x, w = torch.ones(2, 4), torch.ones(1, 4, 4)
+        return bool(torch._grouped_mm(x, w, offs=torch.tensor([2], dtype=torch.int32)).eq(4).all())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+GROUPED_MM = _grouped_mm_works()
 
 
 def _aligned(t: torch.Tensor) -> bool:
