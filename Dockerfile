@@ -24,6 +24,8 @@ RUN /opt/k3serve/bin/python -m pip install -q -c constraints.txt --index-url ${T
 RUN /opt/k3serve/bin/python -m pip install -q -c constraints.txt "."
 # NIXL without its declared deps: they would pull a CUDA torch; the CPU UCX backend needs none of them.
 RUN /opt/k3serve/bin/python -m pip install -q --no-deps -c constraints.txt "nixl-cu12==1.5.1"
+# the Ray launcher (--distributed-executor-backend ray; workers/engine/parallel/ray_launcher.py)
+RUN /opt/k3serve/bin/python -m pip install -q -c constraints.txt "ray==2.60.0"
 RUN /opt/k3serve/bin/python -m compileall -q /opt/k3serve/lib \
  && test -x /opt/k3serve/bin/k3serve && test -x /opt/k3serve/bin/mooncake_master
 

@@ -226,7 +226,7 @@ def test_cuda_install_steps_are_the_cuda_builds():
     reqs = [r for argv in got for r in _requirements(argv)]
     pins = _constraints()
     by_name = {r.strip('"').split("==")[0].lower(): r.strip('"').split("==")[1] for r in reqs}
-    for name in ("pip", "setuptools", "wheel", "torch", "nixl-cu12"):
+    for name in ("pip", "setuptools", "wheel", "torch", "nixl-cu12", "ray"):
         assert by_name[name] == (pins.get(name) or by_name[name]), name
     assert by_name["torch"] == pins["torch"]
     assert by_name["nixl-cu12"] == pins["nixl-cu12"]

@@ -49,6 +49,17 @@ class Subscriber:
             assert time.monotonic() < deadline, f"subscriber stuck at {self.index.last_sequence}, worker at {seq}"
             time.sleep(0.02)
 
+    def wait_snapshot(self, timeout=20.0):
+        """Until the subscription is attached (its snapshot arrived): events after it are streamed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if self.index.last_sequence is not None and self.index.snapshot_complete:
+                    return
+            assert self.error is None, f"subscriber failed: {self.error!r}"
+            assert time.monotonic() < deadline, "no snapshot from the worker"
+            time.sleep(0.02)
+
     def view(self):
         with self.lock:
             return {k: (e["num_tokens"], e["parent_hash"], e["group_kind"]) for k, e in self.index.entries.items()}
@@ -87,6 +98,7 @@ def worker(tiny_model_dir):
 def test_kv_events_of_a_caching_worker_process(worker, tiny_model_dir):
     stub = worker
     early = Subscriber(stub)
+    early.wait_snapshot()  # attached before the workload: the worker numbers events only while someone listens
     prompt = [(7 * i + 3) % 300 for i in range(40)]
     sp = sampling_to_proto(dict(temperature=0.0, max_tokens=2, ignore_eos=True))
 

@@ -126,7 +126,9 @@ def test_sigterm_exits_cleanly(worker):
 
 
 def test_unimplemented_layout_is_refused(tiny_model_dir):
-    """--role prefill|decode are served (tests/test_pd_workers.py); multi-rank groups are not yet."""
-    r = subprocess.run(_cmd(tiny_model_dir, "--role", "prefill", "--tensor-parallel-size", "2"), capture_output=True,
+    """--role prefill|decode are served (tests/test_pd_workers.py), with TP too (tests/test_pd_hetero_tp.py);
+    a data-parallel prefill pool is not yet."""
+    r = subprocess.run(_cmd(tiny_model_dir, "--role", "prefill", "--data-parallel-size", "2",
+                            "--enable-expert-parallel"), capture_output=True,
                        text=True, timeout=60, env=dict(os.environ, PYTHONSAFEPATH="1"))
-    assert r.returncode == 2 and "not implemented yet" in r.stdout
+    assert r.returncode == 2 and "are not implemented" in r.stdout, (r.stdout, r.stderr)
