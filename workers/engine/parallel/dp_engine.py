@@ -35,7 +35,12 @@ import torch
 from k3serve.workers.engine.model_runner import ModelRunner
 from k3serve.workers.engine.parallel.dp_model import DEPForwardModel, dep_shard
 from k3serve.workers.engine.parallel.group import RankGroup, join_store
-from k3serve.workers.engine.parallel.launcher import DEFAULT_TIMEOUT_S, STARTUP_TIMEOUT_S, RankFailedError
+from k3serve.workers.engine.parallel.launcher import (
+    DEFAULT_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    RankFailedError,
+    stop_ranks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,23 +154,6 @@ class DEPModelRunner(ModelRunner):
 
     def close(self) -> None:
         self._finalizer()
-
-
-def stop_ranks(peers) -> None:
-    """Tell each spawned rank to exit, then kill those that do not within 5 s."""
-    for _rank, _proc, conn in peers:
-        try:
-            conn.send(None)
-        except OSError:
-            pass
-    deadline = time.monotonic() + 5.0
-    for _rank, proc, _conn in peers:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join(5.0)
-    for _rank, _proc, conn in peers:
-        conn.close()
 
 
 def wait_message(rank: int, proc, conn, timeout_s: float):

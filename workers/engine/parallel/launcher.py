@@ -174,7 +174,7 @@ class ParallelModelRunner(ModelRunner):
         self.group = group
         self.peers = list(peers)  # rank 0: [(rank, Process, Connection)]
         self.error: RankFailedError | None = None
-        self._finalizer = weakref.finalize(self, _stop_peers, self.peers)
+        self._finalizer = weakref.finalize(self, stop_ranks, self.peers)
 
     def check_peers(self) -> None:
         """Raise RankFailedError if a rank has exited (cheap: a non-blocking wait per rank)."""
@@ -198,7 +198,7 @@ class ParallelModelRunner(ModelRunner):
     def _fail(self, why: str) -> None:
         self.error = RankFailedError(why)
         log.error("%s; stopping the other ranks", why)
-        _stop_peers(self.peers)
+        stop_ranks(self.peers)
 
     def execute(self, sched):
         self.check_peers()
@@ -216,7 +216,8 @@ class ParallelModelRunner(ModelRunner):
         self._finalizer()
 
 
-def _stop_peers(peers) -> None:
+def stop_ranks(peers) -> None:
+    """Tell each spawned rank to exit, then kill those that do not within 5 s (TP and DEP groups)."""
     for _rank, _proc, conn in peers:
         try:
             conn.send(None)
@@ -305,7 +306,7 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
                 runner.kv.transfer_ranks.append(RankEndpoint.from_plain(msg[1]))
             runner.kv.transfer_reports = _transfer_reports(peers)
     except BaseException:
-        _stop_peers(peers)
+        stop_ranks(peers)
         raise
     runner.store = store  # kept alive: the group's rendezvous
     runner.rank_threads = threads
