@@ -44,16 +44,14 @@ def unsupported_layout(args: argparse.Namespace) -> str | None:
         if args.role == "prefill":  # a DEP decode worker pulls into each rank (dp_engine.py); prefill is TP's
             return (f"--data-parallel-size {args.data_parallel_size} with --role prefill: P/D transfers from a "
                     "data-parallel worker are not implemented (--role decode and both are)")
-        if getattr(args, "nnodes", 1) != 1:
-            return (f"--data-parallel-size {args.data_parallel_size} with --nnodes {args.nnodes}: data-parallel "
-                    "ranks spanning nodes are not implemented yet (one node)")
-    from k3serve.workers.engine.parallel.nodes import layout_problem  # groups spanning nodes
+    from k3serve.workers.engine.parallel.nodes import group_size, layout_problem  # groups spanning nodes
 
-    nodes_problem = layout_problem(args.tensor_parallel_size, getattr(args, "nnodes", 1),  # k3serve up asks too
-                                   getattr(args, "node_rank", 0))
+    size, what = group_size(args)  # DEP groups span nodes too (workers/engine/parallel/dp_engine.py)
+    nodes_problem = layout_problem(size, getattr(args, "nnodes", 1),  # k3serve up asks too
+                                   getattr(args, "node_rank", 0), what)
     if nodes_problem:
         return nodes_problem.replace("nnodes", "--nnodes").replace("node_rank", "--node-rank").replace(
-            "tensor_parallel_size", "--tensor-parallel-size")
+            "tensor_parallel_size", "--tensor-parallel-size").replace("data_parallel_size", "--data-parallel-size")
     return None
 
 

@@ -20,6 +20,13 @@ transfer metrics read), so a decode request's KvTransferResult is there whicheve
 Failure: as the TP group's (workers/engine/parallel/launcher.py): a rank that exits is `RankFailedError`
 at the leader's next call (its exit status polled, or its pipe or a collective breaking), and the other
 ranks are stopped; a rank whose leader is gone sees its pipe close (or a collective fail) and exits 1.
+
+Across nodes (`nnodes` > 1: node k runs DP ranks k * per_node .. (k + 1) * per_node - 1, per_node =
+data_parallel_size / nnodes): the leader's node spawns its own ranks as above; the other nodes' ranks are
+started by their node process (workers/engine/parallel/node_process.py) and answer the same messages over
+their TCP link to the leader (workers/engine/parallel/nodes.py: pickled leader -> rank, heartbeats), their
+answers msgpack through dp_wire.py's explicit encoders; the MoE all-to-all group spans all M ranks, each
+rank's gloo listener on its own node's address.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch
 
 from k3serve.workers.engine.model_runner import ModelRunner
 from k3serve.workers.engine.parallel.dp_model import DEPForwardModel, dep_shard
-from k3serve.workers.engine.parallel.group import RankGroup, join_store
+from k3serve.workers.engine.parallel.group import LOOPBACK, RankGroup, join_store
 from k3serve.workers.engine.parallel.launcher import (
     DEFAULT_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
@@ -60,8 +67,15 @@ def check_dp_layout(cfg, args) -> None:
                    "connector is)")
     if getattr(args, "speculative_config", None):
         why.append("speculative decoding is not implemented with data_parallel_size > 1")
-    if int(getattr(args, "nnodes", 1) or 1) != 1:
-        why.append(f"nnodes={args.nnodes}: data-parallel ranks spanning nodes are not implemented (one node)")
+    from k3serve.workers.engine.parallel.nodes import layout_problem
+
+    nnodes = int(getattr(args, "nnodes", 1) or 1)
+    nodes = layout_problem(dp, nnodes, int(getattr(args, "node_rank", 0) or 0), "data_parallel_size")
+    if nodes:
+        why.append(nodes)
+    elif nnodes > 1 and "nixl" in (getattr(args, "kv_connectors", None) or ()):
+        why.append("P/D transfers (the nixl connector) into data-parallel ranks on other nodes are not "
+                   "implemented yet (nnodes must be 1)")
     if getattr(args, "distributed_executor_backend", "mp") != "mp":
         why.append(f"distributed_executor_backend={args.distributed_executor_backend}: data-parallel ranks are "
                    "spawned processes (mp) only")
@@ -88,6 +102,8 @@ class DPContext:
     store: object = None
     peers: list = field(default_factory=list)
     conn: object = None
+    host: str = LOOPBACK  # this rank's gloo listener (its node's address when the group spans nodes)
+    store_host: str = LOOPBACK  # where the leader's store listens
 
 
 class DEPModelRunner(ModelRunner):
@@ -189,8 +205,8 @@ def start_dp_runner(ctx: DPContext, args, cfg, weights, layout, num_blocks: int,
         store = ctx.store
     else:
         ctx.conn.send(("loaded", {"threads": threads[0]}))
-        store = join_store(ctx.port, ctx.size, STARTUP_TIMEOUT_S)
-    group = RankGroup(store, ctx.rank, ctx.size, ctx.timeout_s)
+        store = join_store(ctx.port, ctx.size, STARTUP_TIMEOUT_S, host=ctx.store_host)
+    group = RankGroup(store, ctx.rank, ctx.size, ctx.timeout_s, host=ctx.host)
     runner = DEPModelRunner(rank_cfg, shard, layout, num_blocks, dtype, group=group, expert_map=emap,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_model_len=max_model_len, peers=ctx.peers if ctx.rank == 0 else ())
@@ -254,6 +270,8 @@ class RankArgs:
     size: int
     timeout_s: float
     num_threads: int
+    host: str = LOOPBACK  # the rank's gloo listener (node_process.py sets its own node's address)
+    store_host: str = LOOPBACK  # the leader's store
 
 
 def dp_rank_main(rank: int, spec: RankArgs, conn) -> None:
@@ -263,7 +281,8 @@ def dp_rank_main(rank: int, spec: RankArgs, conn) -> None:
     torch.set_num_threads(spec.num_threads)
     status = 0
     try:
-        ctx = DPContext(rank, spec.size, spec.port, spec.timeout_s, conn=conn)
+        ctx = DPContext(rank, spec.size, spec.port, spec.timeout_s, conn=conn, host=spec.host,
+                        store_host=spec.store_host)
         engine = LLMEngine(spec.args, dp=ctx)
         events: list = []
         engine.subscribe_kv_events(events.append)

@@ -3,7 +3,9 @@
     engine = LLMEngine.from_args(EngineArgs(model=DIR, data_parallel_size=2, enable_expert_parallel=True))
 
 It lives in the leader's process (DP rank 0's, which serves the gRPC endpoint / OpenAI server) and owns
-rank 0's engine; ranks 1..M-1 are spawned processes (workers/engine/parallel/dp_engine.py).
+rank 0's engine; ranks 1..M-1 are spawned processes (workers/engine/parallel/dp_engine.py). Over `nnodes`
+nodes the leader spawns its node's ranks 1..per_node-1 and the other nodes' ranks connect to it
+(workers/engine/parallel/nodes.py; dp_engine.py's docstring): the front drives them the same way.
 
 * Spreading: a new request goes to the rank where it costs least, cost = the rank's load (tokens of its
   running + waiting requests) + the prompt tokens it would have to compute (prompt minus the rank's
@@ -25,6 +27,8 @@ import time
 from collections.abc import Callable
 
 from k3serve.kv_events.types import KVEvent
+from k3serve.workers.engine.parallel import dp_wire
+from k3serve.workers.engine.parallel import nodes as multinode
 from k3serve.workers.engine.parallel.dp_engine import (
     DPContext,
     RankArgs,
@@ -34,7 +38,7 @@ from k3serve.workers.engine.parallel.dp_engine import (
     probe,
     stop_ranks,
 )
-from k3serve.workers.engine.parallel.group import host_store
+from k3serve.workers.engine.parallel.group import LOOPBACK, host_store
 from k3serve.workers.engine.parallel.launcher import DEFAULT_TIMEOUT_S, STARTUP_TIMEOUT_S
 from k3serve.workers.engine.parallel.threads import set_rank_threads
 
@@ -82,21 +86,31 @@ class DPEngine:
 
         check_dp_layout(K3Config.from_pretrained(args.model), args)  # before any rank starts
         self.size = size = int(args.data_parallel_size)
-        threads = set_rank_threads(size)  # every rank (this one too) its share of the host's CPUs
-        store = host_store(size, STARTUP_TIMEOUT_S)
-        spec = RankArgs(args, store.port, size, DEFAULT_TIMEOUT_S, threads)
+        self.nodes = nodes = multinode.NodeLayout.from_args(args)
+        if nodes.node_rank != 0:
+            raise ValueError(f"node_rank={nodes.node_rank}: only node 0 runs the engine; the other nodes run ranks "
+                             "only (`k3serve worker --node-rank N`)")
+        threads = set_rank_threads(nodes.per_node)  # every rank (this one too) its share of the host's CPUs
+        bind = multinode.resolve(nodes.master_addr, multinode.RENDEZVOUS_TIMEOUT_S) if nodes.multi_node else LOOPBACK
+        store = host_store(size, STARTUP_TIMEOUT_S, host=bind, port=nodes.master_port if nodes.multi_node else 0)
+        spec = RankArgs(args, store.port, size, DEFAULT_TIMEOUT_S, threads, host=bind, store_host=bind)
         ctx = mp.get_context("spawn")
         peers = []
         try:
-            for rank in range(1, size):
+            for rank in range(1, nodes.per_node):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=dp_rank_main, args=(rank, spec, child), name=f"k3serve-dp-rank-{rank}",
                                    daemon=True)
                 proc.start()
                 child.close()
                 peers.append((rank, proc, parent))
+            if nodes.multi_node:  # the other nodes' ranks connect, get the same spec, answer in dp_wire frames
+                remote = multinode.accept_remote_ranks(bind, nodes, store, lambda _rank: spec,
+                                                       time.monotonic() + multinode.RENDEZVOUS_TIMEOUT_S,
+                                                       decode=dp_wire.decode)
+                peers += [(r.rank, r, r) for r in remote]
             self.local = LLMEngine(args, dp=DPContext(0, size, store.port, DEFAULT_TIMEOUT_S, store=store,
-                                                      peers=peers))
+                                                      peers=peers, host=bind))
         except BaseException:
             stop_ranks(peers)
             raise
@@ -138,6 +152,8 @@ class DPEngine:
             status, value, *rest = conn.recv()
         except (EOFError, OSError):
             raise self.runner.fail(self.runner.dead_rank(1.0) or f"data-parallel rank {rank}: its pipe closed") from None
+        except ValueError as e:  # a frame from another node that dp_wire cannot read: the group is unusable
+            raise self.runner.fail(f"data-parallel rank {rank} sent an unreadable answer: {e}") from None
         for rid, outcome, seconds, bytes_by_view in (rest[0] if rest else ()):
             if self.ledger is not None:
                 self.ledger.record(rid, outcome, seconds=seconds, bytes_by_view=bytes_by_view)

@@ -39,7 +39,10 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def remote_rank_main(rank: int, nodes: NodeLayout, bind_host: str, notify, parent: int, log_level: str) -> None:
-    """A rank on a non-leader node: connect to the leader, take its spec, then run as rank_main does."""
+    """A rank on a non-leader node: connect to the leader, take its spec, then run as rank_main does (a
+    tensor-parallel group's RankSpec) or as dp_rank_main does (a DEP group's RankArgs, answering in
+    dp_wire frames)."""
+    from k3serve.workers.engine.parallel.dp_engine import RankArgs, dp_rank_main
     from k3serve.workers.engine.parallel.launcher import rank_main
 
     logging.basicConfig(level=getattr(logging, str(log_level).upper(), logging.WARNING),
@@ -61,8 +64,15 @@ def remote_rank_main(rank: int, nodes: NodeLayout, bind_host: str, notify, paren
     except ValueError as e:
         print(f"{PROG}: rank {rank}: {e}", file=sys.stderr, flush=True)
         os._exit(1)
-    rank_main(rank, dataclasses.replace(spec, host=bind_host, store_host=leader_ip, port=nodes.master_port,
-                                        ranks_per_host=nodes.per_node, num_threads=threads), link)
+    if isinstance(spec, RankArgs):  # a DEP group (workers/engine/parallel/dp_engine.py)
+        from k3serve.workers.engine.parallel import dp_wire
+
+        link.encode = dp_wire.encode
+        dp_rank_main(rank, dataclasses.replace(spec, host=bind_host, store_host=leader_ip, port=nodes.master_port,
+                                               num_threads=threads), link)
+    else:
+        rank_main(rank, dataclasses.replace(spec, host=bind_host, store_host=leader_ip, port=nodes.master_port,
+                                            ranks_per_host=nodes.per_node, num_threads=threads), link)
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -102,7 +112,7 @@ def run_node(args, msock) -> int:
     ranks = []
     for rank in nodes.local_ranks:
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=remote_rank_main, name=f"k3serve-tp-rank-{rank}",
+        proc = ctx.Process(target=remote_rank_main, name=f"k3serve-rank-{rank}",
                            args=(rank, nodes, args.host, child_end, os.getpid(), args.log_level))
         proc.start()
         child_end.close()

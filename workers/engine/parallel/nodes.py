@@ -2,7 +2,7 @@
 and the process a non-leader node runs.
 
 Layout (vLLM's names, the pod contract's values: docs/components.md): `--nnodes` nodes of `per_node =
-tensor_parallel_size / nnodes` ranks each; node `--node-rank` k runs the global ranks k * per_node ..
+size / nnodes` ranks each (size: tensor_parallel_size, or data_parallel_size for a DEP group); node `--node-rank` k runs the global ranks k * per_node ..
 (k + 1) * per_node - 1. Node 0 is the leader: its rank 0 is the engine (scheduler, sampler, gRPC), and it
 hosts the rendezvous, a TCPStore on `--master-addr:--master-port` (the address it resolves to is the only
 one bound: the leader pod's own IP in a pod, 127.0.0.1 locally). Every rank's gloo listener binds its own
@@ -12,7 +12,9 @@ Steps reach the leader's own ranks over pipes (workers/engine/parallel/launcher.
 ranks over one TCP connection each, which the rank opens to the leader's step port (published in the
 store under STEP_PORT_KEY). On that connection the leader sends pickled plain data (the RankSpec, each
 SchedulerOutput, None = stop) and the rank answers JSON only ("loaded" or its error), so the listening
-side never unpickles what the network sends it. Both sides send an empty heartbeat frame every second:
+side never unpickles what the network sends it. A DEP group's ranks (workers/engine/parallel/dp_engine.py)
+answer in msgpack instead, through the explicit encoders of workers/engine/parallel/dp_wire.py (the link's
+`encode` on the rank, `decode` on the leader). Both sides send an empty heartbeat frame every second:
 a side that hears nothing for HEARTBEAT_TIMEOUT_S (or sees the connection close) takes the other for dead.
 The leader's engine then fails (RankFailedError: unhealthy, exit 1); a rank whose leader is gone exits 1,
 and so does its node process. Every wait is bounded, and its error names the address it waited for.
@@ -59,7 +61,7 @@ def resolve(addr: str, timeout_s: float) -> str:
 class NodeLayout:
     """Where this process sits in its rank group."""
 
-    size: int  # ranks in the group (tensor_parallel_size)
+    size: int  # ranks in the group (tensor_parallel_size; data_parallel_size for a DEP group)
     nnodes: int
     node_rank: int
     master_addr: str
@@ -91,23 +93,31 @@ class NodeLayout:
     @classmethod
     def from_args(cls, args) -> NodeLayout:
         """From EngineArgs-like args; ValueError (one line) for a layout no group can have."""
-        size = int(getattr(args, "tensor_parallel_size", 1) or 1)
+        size, what = group_size(args)
         nnodes = int(getattr(args, "nnodes", 1) or 1)
         node_rank = int(getattr(args, "node_rank", 0) or 0)
-        problem = layout_problem(size, nnodes, node_rank)
+        problem = layout_problem(size, nnodes, node_rank, what)
         if problem:
             raise ValueError(problem)
         return cls(size, nnodes, node_rank, str(getattr(args, "master_addr", None) or LOOPBACK),
                    int(getattr(args, "master_port", 29500)))
 
 
-def layout_problem(size: int, nnodes: int, node_rank: int) -> str | None:
+def group_size(args) -> tuple[int, str]:
+    """(ranks in the group, the field that sets it): data_parallel_size for a DEP group, else tensor_parallel_size."""
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    if dp > 1:
+        return dp, "data_parallel_size"
+    return int(getattr(args, "tensor_parallel_size", 1) or 1), "tensor_parallel_size"
+
+
+def layout_problem(size: int, nnodes: int, node_rank: int, what: str = "tensor_parallel_size") -> str | None:
     if nnodes < 1:
         return f"nnodes must be >= 1 (got {nnodes})"
     if not 0 <= node_rank < nnodes:
         return f"node_rank {node_rank} is not in 0..{nnodes - 1} (nnodes={nnodes})"
     if nnodes > 1 and (size < nnodes or size % nnodes):
-        return (f"tensor_parallel_size={size} does not split over nnodes={nnodes} "
+        return (f"{what}={size} does not split over nnodes={nnodes} "
                 "(every node runs the same number of ranks)")
     return None
 
@@ -184,10 +194,11 @@ class RemoteRank(_Link):
     ParallelModelRunner.peers (launcher.py): send / poll / recv like a Connection, exitcode / join / kill
     like a Process. exitcode is None while the rank is heard from, else why it is taken for dead."""
 
-    def __init__(self, sock: socket.socket, rank: int, peer: str):
+    def __init__(self, sock: socket.socket, rank: int, peer: str, decode=None):
         super().__init__(sock, peer)
         self.rank = rank
         self.stopped = False  # the leader sent None (stop)
+        self.decode = decode or _json_message  # frame bytes -> message (never unpickled)
 
     # the Connection side
     def send(self, obj) -> None:
@@ -201,8 +212,7 @@ class RemoteRank(_Link):
         while not self._read(3600.0):
             pass
         if self.buffered:
-            msg = json.loads(self.buffered.pop(0))
-            return (str(msg[0]), msg[1])
+            return self.decode(self.buffered.pop(0))
         raise EOFError(f"rank {self.rank} at {self.peer} closed its connection")
 
     # the Process side
@@ -226,9 +236,16 @@ class RemoteRank(_Link):
         self.close()
 
 
-def accept_remote_ranks(bind_host: str, nodes: NodeLayout, store, spec_for, deadline: float) -> list[RemoteRank]:
+def _json_message(frame: bytes) -> tuple:
+    msg = json.loads(frame)
+    return (str(msg[0]), msg[1])
+
+
+def accept_remote_ranks(bind_host: str, nodes: NodeLayout, store, spec_for, deadline: float,
+                        decode=None) -> list[RemoteRank]:
     """Leader: listen on bind_host (a free port, published in `store`), accept one connection per remote
-    rank (each says which rank it is), send each its RankSpec (`spec_for(rank)`); bounded by `deadline`."""
+    rank (each says which rank it is), send each its RankSpec (`spec_for(rank)`); bounded by `deadline`.
+    `decode`: how the ranks' answers are read (JSON by default; a DEP group's: dp_wire.decode)."""
     server = _listen(bind_host, 0)
     store.set(STEP_PORT_KEY, str(server.getsockname()[1]))
     want = set(nodes.remote_ranks)
@@ -264,7 +281,7 @@ def accept_remote_ranks(bind_host: str, nodes: NodeLayout, store, spec_for, dead
                 log.warning("rendezvous: dropped %s claiming rank %r (expected one of %s)", addr[0], rank,
                             sorted(want - set(got)))
                 continue
-            got[rank] = RemoteRank(sock, rank, f"{addr[0]}:{addr[1]}")
+            got[rank] = RemoteRank(sock, rank, f"{addr[0]}:{addr[1]}", decode)
             got[rank].send(spec_for(rank))
     except BaseException:
         for link in got.values():
@@ -283,14 +300,20 @@ class LeaderLink(_Link):
     def __init__(self, sock: socket.socket, peer: str, notify=None):
         super().__init__(sock, peer)
         self.notify = notify  # the node process's pipe: told when this rank has loaded
+        self.encode = None  # a DEP rank's: dp_wire.encode (set once its spec says so); None: JSON
 
     def send(self, msg) -> None:
-        self.send_bytes(json.dumps([msg[0], msg[1]]).encode())
-        if self.notify is not None:
+        self.send_bytes(self.encode(msg) if self.encode else json.dumps([msg[0], msg[1]]).encode())
+        if self.notify is not None and msg[0] == "loaded":  # what the node process waits for
             try:
                 self.notify.send(msg[0])
             except OSError:
                 pass
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """A message waiting (or the link closed: recv then raises), as Connection.poll: rank_main's wait
+        for the next step while a P/D pull of this rank runs."""
+        return self._read(timeout_s)
 
     def recv(self):
         while True:
