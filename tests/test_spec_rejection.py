@@ -66,6 +66,35 @@ def test_greedy_equals_sequential_sampler_with_penalties(dtype):
             assert got.token_ids[i][:-1] == drafts[i][: got.num_accepted[i]]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plain_greedy_fast_path_equals_sequential_sampler(dtype, monkeypatch):
+    """Every row plain greedy (no processors, no logprobs): the one-copy host acceptance (rejection_sampler.py
+    `_greedy_fast`) == the plain Sampler position by position, with argmax ties (small integer logits)."""
+    import k3serve.workers.engine.spec.rejection_sampler as rs
+
+    calls = []
+    fast = rs._greedy_fast
+    monkeypatch.setattr(rs, "_greedy_fast", lambda *a: calls.append(1) or fast(*a))
+    rng = random.Random(3)
+    vocab = 11
+    for trial in range(40):
+        n = rng.randint(1, 4)
+        states, drafts, blocks = [], [], []
+        for _ in range(n):
+            k = rng.randint(0, 4)
+            logits = torch.randint(0, 4, (1 + k, vocab), generator=torch.Generator().manual_seed(trial)).to(dtype)
+            d = [int(logits[j].argmax()) if rng.random() < 0.7 else rng.randrange(vocab) for j in range(k)]
+            states.append(SamplingState(SamplingParams(temperature=0.0), [1, 2], [], None, eos_token_id=0))
+            drafts.append(d)
+            blocks.append(logits)
+        got = RejectionSampler(Sampler(seed=1))(torch.cat(blocks), states, drafts)
+        for i in range(n):
+            want = _sequential_greedy(blocks[i].float(), states[i], drafts[i])
+            assert got.token_ids[i] == want, (trial, i)
+            assert got.num_accepted[i] == len(want) - 1
+    assert len(calls) == 40
+
+
 def test_greedy_verify_padding_never_accepted():
     argmax = torch.tensor([[3, 4, 5, 0], [1, 1, 1, 1]])
     drafts = torch.tensor([[3, 4, 0], [1, 0, 0]])  # row 0: padding 0 == argmax 0 must not count

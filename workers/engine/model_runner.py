@@ -329,15 +329,13 @@ class ModelRunner:
         """Verify steps with `scheme_cls` rollback; `keep_hidden`: keep the forward's pre-final-norm states
         (`self.model.hidden`, every row) for the MTP drafter. Verify steps of 1 + k tokens every request
         run as fixed-shape (on CUDA: captured) batches when decode steps do, with multi-slot rollback
-        (workers/engine/spec/static_verify.py); with keep_hidden, decode graphs are switched off."""
+        (workers/engine/spec/static_verify.py); with keep_hidden the decode graphs also keep the hidden states."""
         from k3serve.workers.engine.spec.static_verify import StaticVerify
 
         self.rollback = scheme_cls(self.kv, self.layout, num_speculative_tokens, max_num_seqs)
         self.model.keep_hidden = keep_hidden
         if self.static_decode and self.rollback.name == "multi_slot":
             self.static_verify = StaticVerify(self, num_speculative_tokens, max_num_seqs, self.capture_sizes[-1])
-        if keep_hidden:
-            self.static_decode = False
 
     def commit_speculation(self, commits) -> None:
         """After sampling: (request id, accepted_len, snapshots) per verified request still running."""
@@ -379,6 +377,8 @@ class ModelRunner:
                 self.num_static_decode_steps += 1
                 self.inputs.prepare_decode(sched, size)
                 graph.graph.replay()
+                if graph.hidden is not None:  # the MTP drafter reads every row's hidden state
+                    self.model.hidden = graph.hidden[:n]
                 return graph.logits[:n]
             # capture refused (the step waits for the host): this step and the next ones run eagerly
         if sched.spec_token_ids and self.static_verify is not None:
@@ -419,7 +419,7 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._graph_pool):
             logits = self.model.forward(batch)
         self._graph_pool = graph.pool()
-        self.graphs[size] = _Graph(graph, batch, logits)
+        self.graphs[size] = _Graph(graph, batch, logits, self.model.hidden if self.model.keep_hidden else None)
         return self.graphs[size]
 
 
@@ -442,6 +442,7 @@ class _Graph:
     graph: object  # torch.cuda.CUDAGraph
     batch: ForwardBatch
     logits: torch.Tensor
+    hidden: torch.Tensor | None = None  # the pre-final-norm states of every row (speculative decoding, MTP)
 
 
 def _decode_only(sched: SchedulerOutput) -> bool:

@@ -182,13 +182,21 @@ class MultiSlotRollback(RollbackScheme):
         pairs = [(slot(gi, o), dst) for o, blocks in snapshots for gi, dst in enumerate(blocks)]
         if accepted_len < T:
             pairs += [(slot(gi, accepted_len), run) for gi, run in enumerate(row.running_slots)]
-        # snapshot sources are spec slots or the running block; running targets read spec slots only,
-        # and copy_blocks reads every source before it writes any target
-        if not pairs or self.kv.pages[0].is_cuda:
-            self.kv.copy_blocks(pairs)
+        if not pairs:
             return
-        # CPU: one contiguous row copy per page and pair (indexed assignment of the uint8 pages costs ~20x
-        # more); in list order: the snapshots (which may read the running block) before the running target
+        pages = self.kv.pages
+        if pages[0].is_cuda and len(pairs) > 8:  # many pairs: indexed copies, indices sent without a host sync
+            # (copy_blocks semantics: every source read before any target is written; the targets here are
+            # distinct and no target is another pair's source except the running block, read by snapshots only,
+            # which the running target's gather-then-scatter also respects)
+            idx = torch.tensor(pairs, dtype=torch.long).pin_memory().to(pages[0].device, non_blocking=True)
+            for page in pages:
+                page[idx[:, 1]] = page[idx[:, 0]]
+            return
+        # one contiguous row copy per page and pair: on the CPU indexed assignment of the uint8 pages costs ~20x
+        # more; on CUDA these are device-to-device copies with host indices, where copy_blocks would first copy
+        # its index lists to the device (a host sync each). In list order: the snapshots (which may read the
+        # running block) before the running target (which reads spec slots only).
         for src, dst in pairs:
             for page in self.kv.pages:
                 page[dst].copy_(page[src])

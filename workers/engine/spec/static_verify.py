@@ -25,6 +25,7 @@ import torch
 
 from k3serve.workers.engine.forward_batch import ForwardBatch
 from k3serve.workers.engine.spec.rollback import SpecBatch, VerifyRow
+from k3serve.workers.engine.spec.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +40,7 @@ class StaticVerify:
         buf = runner.inputs.buf
         limit = min(max_num_seqs, buf.max_tokens // self.T, buf.max_seqs, max_batch)
         self.sizes = capture_sizes(limit) if limit >= 1 else []
-        dev = runner.device
-        n = max(self.sizes or [0]) * self.k
-        lt = dict(dtype=torch.long, device=dev)
-        self.ck_seq = torch.zeros(n, **lt)
-        self.ck_off = torch.zeros(n, **lt)
-        self.ck_slots = [torch.zeros(n, **lt) for _ in runner.layout.kda_groups]
+        self._staging: dict[int, Staging] = {}  # per size: its inputs, one host->device copy a step
         self.enabled = bool(self.sizes)
         self.graphs: dict[int, tuple] = {}
         self.num_steps = 0  # verify steps served by this fixed-shape path
@@ -63,106 +59,130 @@ class StaticVerify:
         n = len(sched.chunks)
         size = next(s for s in self.sizes if s >= n)
         T = self.T
-        full = all(len(c.token_ids) == T for c in sched.chunks)
-        idx = None if full else torch.tensor([i * T + j for i, c in enumerate(sched.chunks)
-                                              for j in range(len(c.token_ids))], device=self.r.device)
         model = self.r.model
         if self.r.device.type != "cuda":
-            logits = model.forward(self.prepare(sched, size))
+            batch, m = self.prepare(sched, size)
+            logits = model.forward(batch)
             hidden = model.hidden if model.keep_hidden else None
         else:
             graph = self.graphs.get(size) or self._capture(size)
             if graph is None:
                 return None
             cuda_graph, logits, hidden = graph
-            self.prepare(sched, size)
+            _batch, m = self.prepare(sched, size)
             cuda_graph.replay()
         self.num_steps += 1
-        if hidden is not None:  # the real rows, packed per chunk as the eager path gives them
-            model.hidden = hidden[: n * T] if full else hidden[idx]
-        return logits[: n * T] if full else logits[idx]
+        if m == n * T:  # every chunk 1 + k tokens: the real rows are the first n * T
+            if hidden is not None:
+                model.hidden = hidden[:m]
+            return logits[:m]
+        idx = self._staged(size)["gather"][:m]  # the real rows, packed per chunk as the eager path gives them
+        if hidden is not None:
+            model.hidden = hidden[idx]
+        return logits[idx]
 
-    def prepare(self, sched, size: int) -> ForwardBatch:
-        """The fixed-shape batch of `size` rows (sched None: all padding) in the persistent buffers; records
-        the step's VerifyRows for the rollback commit."""
+    def _staged(self, size: int) -> dict:
+        """The device views of `size`'s staging buffer (workers/engine/spec/staging.py; one per size, so each
+        size's graph reads its own fixed addresses)."""
+        st = self._staging.get(size)
+        if st is None:
+            r, T, k = self.r, self.T, self.k
+            i64, mla, kda = torch.int64, len(r.layout.mla_groups), len(r.layout.kda_groups)
+            f = dict(input_ids=(i64, (size * T,)), positions=(i64, (size * T,)), cu_seqlens=(i64, (size + 1,)),
+                     seq_lens=(i64, (size,)), ck_seq=(i64, (size * self.k,)), ck_off=(i64, (size * k,)),
+                     logits_idx=(i64, (size * T,)), gather=(i64, (size * T,)),
+                     has_init=(torch.bool, (size,)))
+            for g in range(mla):
+                f[f"bt{g}"] = (torch.int32, (size, r.inputs.max_blocks))
+                f[f"slots{g}"] = (i64, (size * T,))
+            for g in range(kda):
+                f[f"si{g}"] = (i64, (size,))
+                f[f"ck_slots{g}"] = (i64, (size * k,))
+            st = self._staging[size] = Staging(f, r.device)
+        return st.dev
+
+    def prepare(self, sched, size: int) -> tuple[ForwardBatch, int]:
+        """The fixed-shape batch of `size` rows (sched None: all padding) in `size`'s staging buffer, sent to the
+        device in one copy; records the step's VerifyRows for the rollback commit. Also returns the number of
+        real token rows (their indices in the batch are the staged `gather` field)."""
         r, T, k = self.r, self.T, self.k
         inp = r.inputs
-        buf, tb, B = inp.buf, inp.tables, r.layout.block_size
+        tb, B = inp.tables, r.layout.block_size
         chunks = sched.chunks if sched is not None else []
         n = len(chunks)
         rows = tb.rows(chunks)
+        dev = self._staged(size)
+        st = self._staging[size]
+        h = st.host()
         starts = np.zeros(size, dtype=np.int64)
         starts[:n] = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
-        ids = np.zeros(size * T, dtype=np.int64)
+        ids = h["input_ids"]
+        ids[:] = 0
         real_tok = np.zeros(size * T, dtype=bool)  # the chunks' own tokens (not padding rows, not pad tokens)
         for i, c in enumerate(chunks):
             m = len(c.token_ids)
             ids[i * T:i * T + m] = c.token_ids
             ids[i * T + m:(i + 1) * T] = c.token_ids[-1]
             real_tok[i * T:i * T + m] = True
+        real = np.flatnonzero(real_tok)
+        h["gather"][:len(real)] = real
         offs = np.tile(np.arange(T, dtype=np.int64), size)
-        pos = np.repeat(starts, T) + offs
-
-        def put(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
-            out = dst[: len(src)]
-            out.copy_(torch.from_numpy(src))
-            return out
-
-        input_ids = put(buf.input_ids, ids)
-        pos_t = put(buf.positions, pos)
-        cu_t = put(buf.cu_seqlens, np.arange(size + 1, dtype=np.int64) * T)
-        seq = np.full(size, T, dtype=np.int64)
+        pos = h["positions"]
+        pos[:] = np.repeat(starts, T) + offs
+        h["cu_seqlens"][:] = np.arange(size + 1, dtype=np.int64) * T
+        seq = h["seq_lens"]
+        seq[:] = T
         seq[:n] = starts[:n] + T
-        seq_lens = put(buf.seq_lens, seq)
-        init = np.zeros(size, dtype=bool)
+        init = h["has_init"]
+        init[:] = False
         init[:n] = starts[:n] > 0
-        has_init = buf.has_initial_state[:size]
-        has_init.copy_(torch.from_numpy(init))
-        block_tables, slot_mapping = [], []
         seq_of_tok = np.repeat(np.arange(size), T)
         for gi in range(len(r.layout.mla_groups)):
-            bt = np.zeros((size, inp.max_blocks), dtype=np.int32)
+            bt = h[f"bt{gi}"]
+            bt[:] = 0
             bt[:n] = tb.mla[gi][rows]
-            slots = np.full(size * T, -1, dtype=np.int64)
+            slots = h[f"slots{gi}"]
+            slots[:] = -1
             m = real_tok
             slots[m] = bt[seq_of_tok[m], pos[m] // B].astype(np.int64) * B + pos[m] % B
-            bt_t = buf.block_tables[gi][:size]
-            bt_t.copy_(torch.from_numpy(bt))
-            block_tables.append(bt_t)
-            slot_mapping.append(put(buf.slot_mapping[gi], slots))
-        state_indices = []
         for gi in range(len(r.layout.kda_groups)):
-            si = np.full(size, -1, dtype=np.int64)
+            si = h[f"si{gi}"]
+            si[:] = -1
             si[:n] = tb.kda[gi][rows]
-            state_indices.append(put(buf.state_indices[gi], si))
         # every row exports offsets 1..k into its blocks; a padding row's k exports repeat row 0's first one
         # (the same state into the same block: the count stays fixed, no op sees an export of a skipped row)
-        seqs = np.repeat(np.arange(size, dtype=np.int64), k)
-        offsets = np.tile(np.arange(1, T, dtype=np.int64), size)
+        seqs, offsets = h["ck_seq"], h["ck_off"]
+        seqs[:] = np.repeat(np.arange(size, dtype=np.int64), k)
+        offsets[:] = np.tile(np.arange(1, T, dtype=np.int64), size)
         seqs[n * k:], offsets[n * k:] = 0, 1
-        ck_seq = put(self.ck_seq, seqs)
-        ck_off = put(self.ck_off, offsets)
         verify_rows = []
         for i, c in enumerate(chunks):
             # num_tokens = T even for a padded chunk: its running block ends after the pad tokens, so the
             # commit always copies the accepted export (accepted_len <= len(c.token_ids) < T)
             verify_rows.append(VerifyRow(c.request_id, i, c.start, T, [int(t[rows[i]]) for t in tb.kda],
                                          sched.spec_slots[c.request_id]))
-        ck_slots = []
         for gi in range(len(r.layout.kda_groups)):
-            s = np.zeros(size * k, dtype=np.int64)
+            s = h[f"ck_slots{gi}"]
+            s[:] = 0
             for i, v in enumerate(verify_rows):
                 s[i * k:(i + 1) * k] = v.spec_slots[gi][:k]
             s[n * k:] = s[0]
-            ck_slots.append(put(self.ck_slots[gi], s))
         r._verify_rows = {v.request_id: v for v in verify_rows}
-        logits_idx = put(buf.logits_indices, np.arange(size * T, dtype=np.int64))
-        return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices, has_init,
-                            ck_seq, ck_off, ck_slots, logits_idx, is_decode=False, spec=SpecBatch(verify_rows))
+        h["logits_idx"][:] = np.arange(size * T, dtype=np.int64)
+        st.send()
+        mla, kda = range(len(r.layout.mla_groups)), range(len(r.layout.kda_groups))
+        batch = ForwardBatch(dev["input_ids"], dev["positions"], dev["cu_seqlens"], dev["seq_lens"],
+                             [dev[f"bt{g}"] for g in mla], [dev[f"slots{g}"] for g in mla],
+                             [dev[f"si{g}"] for g in kda], dev["has_init"], dev["ck_seq"], dev["ck_off"],
+                             [dev[f"ck_slots{g}"] for g in kda], dev["logits_idx"], is_decode=False,
+                             spec=SpecBatch(verify_rows))
+        if hasattr(batch, "max_query_len"):  # a host field some kernels route on (workers/engine/forward_batch.py)
+            batch.max_query_len = T
+        return batch, len(real)
 
     def _capture(self, size: int):
         r = self.r
-        batch = self.prepare(None, size)
+        batch, _m = self.prepare(None, size)
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
