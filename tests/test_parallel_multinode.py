@@ -265,13 +265,7 @@ def test_layouts_that_cannot_span_nodes_are_one_line_exit_2(tp2_model):
         p = subprocess.run(_cli("--model", str(tp2_model), *args), capture_output=True, text=True, env=ENV,
                            timeout=120)
         assert p.returncode == 2 and why in p.stdout + p.stderr, p.stdout + p.stderr
-    # P/D from ranks on other nodes is not done: one line before any rank starts
-    p = subprocess.run(_cli("--model", str(tp2_model), "--role", "prefill", "--tensor-parallel-size", "2",
-                            "--nnodes", "2", "--master-port", str(_free_port()), "--grpc-port", "0",
-                            "--metrics-port", "0", "--skip-tokenizer-init"), capture_output=True, text=True,
-                       timeout=120, env=dict(ENV, UCX_TLS="self,sm", UCX_MEM_EVENTS="no"))
-    assert p.returncode == 1 and "k3serve: error: P/D transfers (the nixl connector) from ranks on other nodes " \
-        "are not implemented yet" in p.stdout + p.stderr, p.stdout + p.stderr
+    # (P/D with ranks on other nodes runs: tests/test_pd_multinode.py)
 
 
 def test_operator_simulate_runs_a_rendered_two_node_group(tmp_path, tiny_model_dir):

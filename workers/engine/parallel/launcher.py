@@ -247,7 +247,8 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
                          "only (`k3serve worker --node-rank N`)")
     use_ray = getattr(args, "distributed_executor_backend", "mp") == "ray"  # workers/engine/parallel/ray_launcher.py
     if use_ray and nodes.multi_node:
-        raise ValueError("distributed_executor_backend='ray' places the ranks itself: nnodes must be 1")
+        raise ValueError("distributed_executor_backend='ray' places the ranks on the Ray cluster's nodes itself "
+                         "(K3SERVE_RAY_PLACEMENT_STRATEGY, workers/engine/parallel/ray_launcher.py): nnodes must be 1")
     if nodes.multi_node and _wants_transfer(args) is not None:
         raise ValueError("P/D transfers (the nixl connector) from ranks on other nodes are not implemented yet "
                          "(nnodes must be 1)")
@@ -258,7 +259,8 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     spec = RankSpec(args.model, dtype, size, ep, store.port, layout, num_blocks, args.max_num_batched_tokens,
                     args.max_num_seqs, max_model_len, bool(args.static_decode), timeout_s, _wants_transfer(args),
                     sequence_parallel=sp)
-    local = size if use_ray else nodes.per_node  # ranks on one host (Ray: PACKed bundles, counted as one host)
+    placement = ray_launcher.place(size, str(getattr(args, "device", "cpu")), owns_ray) if use_ray else None
+    local = placement.ranks_on_node(0) if use_ray else nodes.per_node  # ranks on rank 0's host
     spec = dataclasses.replace(spec, host=bind, store_host=bind, ranks_per_host=local,
                                num_threads=forced_threads)
     if local > 1:  # rank 0 shares its host with the others: its share too (workers/engine/parallel/threads.py)
@@ -267,7 +269,7 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     peers = []
     try:
         if use_ray:  # one actor per rank in a placement group instead of spawned processes
-            peers += ray_launcher.start_rank_actors(spec, size, owns_ray)
+            peers += ray_launcher.start_rank_actors(spec, placement)
         for rank in range(1, 1 if use_ray else nodes.per_node):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(rank, spec, child), name=f"k3serve-tp-rank-{rank}",

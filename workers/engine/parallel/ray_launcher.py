@@ -2,7 +2,13 @@
 
 Rank 0 stays the engine's own process (the Ray driver), as with the mp launcher
 (workers/engine/parallel/launcher.py); ranks 1..N-1 are Ray actors, one per rank, placed in one placement
-group of N bundles (bundle r for rank r; bundle 0 is the driver's own share). Each actor runs the same
+group of N bundles (bundle r for rank r; bundle 0 is the driver's own share, pinned to the driver's Ray node
+by its `ray.io/node-id` label). A bundle is one GPU when the engine's device is cuda, else one CPU
+(`rank_bundle`; the ranks' collectives are gloo either way, launcher.py). The strategy is
+K3SERVE_RAY_PLACEMENT_STRATEGY (Ray's PACK, the default: one node first, spilling onto other nodes when it
+cannot hold every bundle; STRICT_SPREAD: one rank per node; SPREAD, STRICT_PACK). The group spans as many
+Ray nodes as the placement says: every rank's gloo listener binds its own node's address, rank 0's
+rendezvous the driver's, and each rank takes the CPU share of the ranks placed on its node. Each actor runs the same
 `rank_main` a spawned rank runs, on a thread, fed through queues instead of a pipe, and the ranks form
 the same gloo group over the rendezvous that rank 0 hosts on its Ray node address. `RayRank` stands in
 for a rank's Process and Pipe in ParallelModelRunner.peers, so stepping, failure (an actor that dies:
@@ -22,6 +28,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -197,29 +204,89 @@ class RayRank:
         self.dead = self.dead if self.dead is not None else "killed"
 
 
-def start_rank_actors(spec, size: int, owns_ray: bool) -> list[tuple[int, RayRank, RayRank]]:
-    """Ranks 1..size-1 as actors in a placement group of `size` one-CPU bundles (bounded wait)."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+STRATEGY_ENV = "K3SERVE_RAY_PLACEMENT_STRATEGY"
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement group strategies
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it (ray.nodes()[i]["Labels"])
 
-    pg = ray.util.placement_group([{"CPU": 1}] * size, strategy="PACK")
+
+def placement_strategy() -> str:
+    """K3SERVE_RAY_PLACEMENT_STRATEGY, default PACK (Ray fills one node first and spills the rest onto other
+    nodes when one cannot hold every bundle); STRICT_SPREAD puts every rank on its own node."""
+    raw = os.environ.get(STRATEGY_ENV, "PACK")
+    if raw.strip().upper() not in STRATEGIES:
+        raise ValueError(f"{STRATEGY_ENV}={raw!r}: expected one of {', '.join(STRATEGIES)}")
+    return raw.strip().upper()
+
+
+def rank_bundle(device: str) -> dict[str, float]:
+    """One rank's share of a node: a GPU when the engine's device is cuda, else a CPU."""
+    return {"GPU": 1.0} if str(device).startswith("cuda") else {"CPU": 1.0}
+
+
+@dataclass
+class Placement:
+    """A ready placement group of one bundle per rank; bundle r for rank r, bundle 0 (rank 0, the driver
+    itself) pinned to the driver's own Ray node; `node_of[r]`: the Ray node id rank r's bundle landed on."""
+
+    pg: object
+    bundle: dict[str, float]
+    strategy: str
+    node_of: list[str]
+    owns_ray: bool
+
+    def ranks_on_node(self, rank: int) -> int:
+        """Ranks sharing rank `rank`'s node (each runs its share of that host's CPUs)."""
+        return self.node_of.count(self.node_of[rank])
+
+
+def place(size: int, device: str, owns_ray: bool) -> Placement:
+    """Reserve `size` bundles (rank_bundle) with placement_strategy(); bounded wait, a clear error without room."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    try:
+        strategy = placement_strategy()
+    except ValueError:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    bundle = rank_bundle(device)
+    driver_node = ray.get_runtime_context().get_node_id()
+    pg = ray.util.placement_group([dict(bundle) for _ in range(size)], strategy=strategy,
+                                  bundle_label_selector=[{NODE_ID_LABEL: driver_node}] + [{}] * (size - 1))
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         ray.util.remove_placement_group(pg)
+        nodes = [(n["NodeID"][:8], n["Resources"].get(next(iter(bundle)), 0.0)) for n in ray.nodes() if n["Alive"]]
         resources = ray.cluster_resources()
         if owns_ray:
             ray.shutdown()
-        raise ValueError(f"ray: no room for a placement group of {size} one-CPU bundles within "
-                           f"{PLACEMENT_TIMEOUT_S:g} s (ray.cluster_resources(): {resources})")
-    group = RayGroup(pg, owns_ray, size - 1)
+        kind = next(iter(bundle))
+        raise ValueError(f"ray: no room for a placement group of {size} one-{kind} bundles within "
+                         f"{PLACEMENT_TIMEOUT_S:g} s (strategy {strategy}, rank 0's bundle on the driver's node "
+                         f"{driver_node[:8]}; {kind} per node: {nodes}; ray.cluster_resources(): {resources})")
+    where = placement_group_table(pg)["bundles_to_node_id"]
+    return Placement(pg, bundle, strategy, [where[r] for r in range(size)], owns_ray)
+
+
+def start_rank_actors(spec, placement: Placement) -> list[tuple[int, RayRank, RayRank]]:
+    """Ranks 1..N-1 as actors, rank r in bundle r; each takes its node's CPU share (ranks_per_host)."""
+    import dataclasses
+
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    size = len(placement.node_of)
+    group = RayGroup(placement.pg, placement.owns_ray, size - 1)
     actor_class = ray.remote(RankActor)
+    gpu = "GPU" in placement.bundle
     peers = []
     for rank in range(1, size):
         actor = actor_class.options(
-            num_cpus=1, name=None, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+            num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, name=None, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=placement.pg,
                                                                  placement_group_bundle_index=rank),
-        ).remote(rank, spec)
+        ).remote(rank, dataclasses.replace(spec, ranks_per_host=placement.ranks_on_node(rank)))
         handle = RayRank(rank, actor, group)
         peers.append((rank, handle, handle))
     return peers
