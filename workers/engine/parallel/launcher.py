@@ -150,7 +150,10 @@ def _transfer_reports(peers):
             first = True
             while conn.poll(max(0.0, deadline - time.monotonic()) if first else 0):
                 first = False
-                msg = conn.recv()
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):  # the rank is gone: check_peers fails the group at the next step
+                    break
                 if msg[0] == "recv":
                     out.append((rank, msg[1]))
         return out
@@ -249,9 +252,6 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
     if use_ray and nodes.multi_node:
         raise ValueError("distributed_executor_backend='ray' places the ranks on the Ray cluster's nodes itself "
                          "(K3SERVE_RAY_PLACEMENT_STRATEGY, workers/engine/parallel/ray_launcher.py): nnodes must be 1")
-    if nodes.multi_node and _wants_transfer(args) is not None:
-        raise ValueError("P/D transfers (the nixl connector) from ranks on other nodes are not implemented yet "
-                         "(nnodes must be 1)")
     owns_ray = ray_launcher.ensure_ray(size) if use_ray else False
     bind = multinode.resolve(nodes.master_addr, multinode.RENDEZVOUS_TIMEOUT_S) if nodes.multi_node else (
         ray_launcher.driver_address() if use_ray else LOOPBACK)
