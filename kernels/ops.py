@@ -255,14 +255,27 @@ def kda_verify(
     checkpoint_slots=None,
 ):
     """A KDA layer's short conv, gate and delta rule over a batch of short chunks (speculative verify steps):
-    o [T, H, V] before o_norm. CPU tensors: the token walk of k3serve/kernels/cpu/kda_verify.py; otherwise (or
-    with K3SERVE_KERNELS set) its contract, `kda_verify_composed`, from this module's conv, gate and chunked ops."""
+    o [T, H, V] before o_norm. CPU tensors: the token walk of k3serve/kernels/cpu/kda_verify.py; CUDA tensors
+    (or K3SERVE_KERNELS=triton, under TRITON_INTERPRET=1): the Triton kernel of kernels/triton/kda_verify.py,
+    which reads every index on the device (no host sync: verify steps can be graph-captured) where it takes the
+    shapes; otherwise (or with K3SERVE_KERNELS=reference) the contract, `kda_verify_composed`, from this
+    module's conv, gate and chunked ops."""
     args = (qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit, state_pool, state_indices,
             cu_seqlens, has_initial_state)
     kw = dict(lower_bound=lower_bound, scale=scale, checkpoint_seq=checkpoint_seq,
               checkpoint_offsets=checkpoint_offsets, checkpoint_slots=checkpoint_slots)
-    if not qkv.is_cuda and not os.environ.get("K3SERVE_KERNELS", ""):
+    mode = os.environ.get("K3SERVE_KERNELS", "")
+    if not qkv.is_cuda and not mode:
         return _cpu_kda_verify.kda_verify(*args, **kw)
+    if (qkv.is_cuda and mode != "reference") or mode == "triton":
+        try:
+            from .triton import kda_verify as _tkv
+        except ModuleNotFoundError as e:  # no triton: the composed form
+            if e.name != "triton":
+                raise
+        else:
+            if _tkv.supported(qkv, conv_weight, conv_states, raw_g, state_pool):
+                return _tkv.kda_verify_triton(*args, **kw)
     return _cpu_kda_verify.kda_verify_composed(*args, **kw, conv=causal_conv1d_varlen, gate=kda_gate,
                                                chunked=kda_chunked)
 
