@@ -189,8 +189,12 @@ def test_stops_apply_inside_the_accepted_run(tmp_path_factory):
     assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("form", ["eager", "graph"])
 @pytest.mark.parametrize("seed", MTP_SEEDS[:3])  # a dense, a LatentMoE and an MXFP4-MoE MTP layer
-def test_mtp_drafts_equal_the_reference_drafter(tmp_path_factory, seed):
+def test_mtp_drafts_equal_the_reference_drafter(tmp_path_factory, seed, form):
+    """Both drafter forms (proposers.py MTPProposer, and mtp_graphs.py GraphMTPProposer: the fixed-shape steps
+    CUDA replays as graphs, here run eagerly, its pool started at 1 request x 16 positions so it grows)."""
+    from k3serve.workers.engine.spec.mtp_graphs import GraphMTPProposer
     from k3serve.workers.model.mtp import mtp_propose
     from k3serve.workers.model.reference import load_reference_model
 
@@ -199,6 +203,9 @@ def test_mtp_drafts_equal_the_reference_drafter(tmp_path_factory, seed):
     llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_batched_tokens=32,
               speculative_config={"method": "mtp", "num_speculative_tokens": k})
     prop = llm.engine.proposer
+    if form == "graph":
+        prop = llm.engine.proposer = GraphMTPProposer(prop.cfg, llm.engine.runner.model.w, prop.dtype, k,
+                                                      graphs=False, slots=1, positions=16)
     seen: list[tuple[list[int], list[int]]] = []
     orig = prop.propose_batch
     batched = []
@@ -217,6 +224,8 @@ def test_mtp_drafts_equal_the_reference_drafter(tmp_path_factory, seed):
         target_next, want = mtp_propose(model, toks[:-1], k)
         assert target_next == toks[-1]
         assert drafts == want
+    if form == "graph":  # the fixed-shape steps ran, and the pool grew in both directions
+        assert prop.num_eager > len(batched) and prop._pool["S"] >= 3 and prop._pool["L"] > 16
 
 
 def test_logprobs_with_speculation_equal_without(tmp_path_factory):
@@ -351,23 +360,33 @@ class ShortOracle(OracleDrafter):
         return d[: random.Random(hash((self.seed, req.num_tokens))).randint(1, self.k)] if d else d
 
 
-@pytest.mark.parametrize("drafter", ["short-oracle", "mtp"])
+@pytest.mark.parametrize("drafter", ["short-oracle", "mtp", "mtp-graph"])
 def test_fixed_shape_verify_steps_equal_reference(tmp_path_factory, drafter):
     """static_decode=True: verify steps run as fixed-shape padded batches (what CUDA graphs replay,
-    workers/engine/spec/static_verify.py), chunks shorter than 1 + k padded; tokens == reference."""
+    workers/engine/spec/static_verify.py), chunks shorter than 1 + k padded, decode steps as fixed-shape decode
+    batches that keep the hidden states; `mtp-graph`: the drafter's fixed-shape form too
+    (workers/engine/spec/mtp_graphs.py, run eagerly here); tokens == reference."""
+    from k3serve.workers.engine.spec.mtp_graphs import GraphMTPProposer
+
     seed = MTP_SEEDS[1]
     d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
     k = 3
-    llm = _llm(d, {"method": "mtp" if drafter == "mtp" else "ngram", "num_speculative_tokens": k},
+    mtp = drafter.startswith("mtp")
+    llm = _llm(d, {"method": "mtp" if mtp else "ngram", "num_speculative_tokens": k},
                static_decode=True, max_num_batched_tokens=64)
     commits = _record_commits(llm)
-    if drafter != "mtp":
+    if not mtp:
         llm.engine.proposer = ShortOracle({tuple(p): r for p, r in zip(prompts, ref)}, k, cfg.vocab_size, seed)
+    elif drafter == "mtp-graph":
+        prop = llm.engine.proposer
+        llm.engine.proposer = GraphMTPProposer(prop.cfg, llm.engine.runner.model.w, prop.dtype, k, graphs=False)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(MAX_NEW))]
     assert out == ref
     sv = llm.engine.runner.static_verify
     assert sv is not None and sv.num_steps > 0
-    if drafter != "mtp":
+    if mtp:  # the decode steps between verify steps took the fixed-shape decode batch (with hidden states)
+        assert llm.engine.runner.num_static_decode_steps > 0
+    if not mtp:
         assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0 and commits
         resend = [p + r[:FIRST] for p, r in zip(prompts, ref)]  # the commits' snapshots are exact
         assert [o.outputs[0].token_ids for o in llm.generate(resend, _greedy(MAX_NEW - FIRST))] == [

@@ -131,6 +131,50 @@ class MTPProposer:
                    for rc in self.reqs.values() for c in rc.layers)
 
     # -- the layer ---------------------------------------------------------------------------------
+    def _project(self, j: int, h_prev: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor):
+        """The layer up to attention for N flat query pairs (h_prev [N, H], next_ids [N], positions [N]):
+        (u, x, q_lat [N, h, r] (q_nope absorbed through kv_b), q_pe [N, h, dr], c_kv [N, r], k_pe [N, dr])."""
+        cfg, dtype = self.cfg, self.dtype
+        lw = self.layer_w[j]
+        eps = cfg.rms_norm_eps
+        e = self.embed[j][next_ids].to(dtype)
+        e = e.masked_fill((pos == 0)[:, None], 0)
+        h_in = h_prev.to(dtype)
+        u = linear(torch.cat([rms_norm(e, lw["enorm.weight"], eps), rms_norm(h_in, lw["hnorm.weight"], eps)], -1),
+                   lw["eh_proj.weight"])
+        x = rms_norm(u, lw["input_layernorm.weight"], eps)
+        q_nope, q_pe, c_kv, k_pe = mla_project(x, lw.sub("self_attn."), cfg, pos)
+        q_lat = torch.einsum("qhd,hdr->qhr", q_nope, self.wkv[j][:, :cfg.qk_nope_head_dim, :])
+        return u, x, q_lat, q_pe, c_kv, k_pe
+
+    def _attend(self, q_lat: torch.Tensor, q_pe: torch.Tensor, keys_c: torch.Tensor, keys_pe: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """q_lat [R, s, h, r], q_pe [R, s, h, dr] over keys [R, K, r] / [R, K, dr]; mask [R, s, K] True = hidden
+        (None: every key). Returns o_lat [R, s, h, r]."""
+        cfg = self.cfg
+        scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+        scores = (torch.einsum("bqhr,bkr->bhqk", q_lat, keys_c) + torch.einsum("bqhd,bkd->bhqk", q_pe, keys_pe))
+        scores = (scores * scale).to(acc_dtype(self.dtype))
+        if mask is not None:
+            scores = scores.masked_fill(mask[:, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(self.dtype)
+        return torch.einsum("bhqk,bkr->bqhr", p, keys_c)
+
+    def _finish(self, j: int, u: torch.Tensor, x: torch.Tensor, o_lat: torch.Tensor):
+        """After attention, N flat queries (o_lat [N, h, r]): (logits [N, V] acc dtype, h_next [N, H])."""
+        cfg = self.cfg
+        lw = self.layer_w[j]
+        eps = cfg.rms_norm_eps
+        aw = lw.sub("self_attn.")
+        o = torch.einsum("qhr,hvr->qhv", o_lat, self.wkv[j][:, cfg.qk_nope_head_dim:, :])
+        v = u + mla_output(o, x, aw, cfg)
+        y = rms_norm(v, lw["post_attention_layernorm.weight"], eps)
+        i = cfg.num_hidden_layers + j
+        v = v + (self._moe(j, y, lw.sub("block_sparse_moe.")) if cfg.is_moe_layer(i)
+                 else dense_mlp(y, lw.sub("mlp."), cfg))
+        logits = rms_norm(v, lw["shared_head.norm.weight"], eps) @ self.head[j].T
+        return logits.to(acc_dtype(self.dtype)), v
+
     def _layer(self, j: int, h_prev: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                caches: list[_LayerCache]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """MTP layer j over R requests' query pairs (h_prev [R, s, H], next_ids [R, s]) at `positions`
@@ -140,19 +184,9 @@ class MTPProposer:
         unmasked); the callers read no other."""
         cfg, dtype = self.cfg, self.dtype
         R, s = next_ids.shape
-        lw = self.layer_w[j]
-        eps = cfg.rms_norm_eps
-        pos = positions.reshape(-1)
-        e = self.embed[j][next_ids.reshape(-1)].to(dtype)
-        e = e.masked_fill((pos == 0)[:, None], 0)
-        h_in = h_prev.reshape(R * s, -1).to(dtype)
-        u = linear(torch.cat([rms_norm(e, lw["enorm.weight"], eps), rms_norm(h_in, lw["hnorm.weight"], eps)], -1),
-                   lw["eh_proj.weight"])
-        x = rms_norm(u, lw["input_layernorm.weight"], eps)
-        aw = lw.sub("self_attn.")
-        q_nope, q_pe, c_kv, k_pe = mla_project(x, aw, cfg, pos)
-        h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        dr = cfg.qk_rope_head_dim
+        u, x, q_lat, q_pe, c_kv, k_pe = self._project(j, h_prev.reshape(R * s, -1), next_ids.reshape(-1),
+                                                      positions.reshape(-1))
+        h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         dev = positions.device
         smax = max(c.n for c in caches)
         # a query sees its request's cached entries (all at earlier positions) and its queries up to itself
@@ -174,25 +208,9 @@ class MTPProposer:
             mask = torch.zeros(R, s, smax + s, dtype=torch.bool, device=dev)
             mask[:, :, :smax] = torch.arange(smax, device=dev)[None, None, :] >= lens[:, None, None]
             mask[:, :, smax:] = torch.ones(s, s, dtype=torch.bool, device=dev).triu(1)
-        wkv = self.wkv[j]
-        q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope.reshape(R, s, h, dn), wkv[:, :dn, :])
-        scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-        scores = (torch.einsum("bqhr,bkr->bhqk", q_lat, keys_c)
-                  + torch.einsum("bqhd,bkd->bhqk", q_pe.reshape(R, s, h, dr), keys_pe))
-        acc = acc_dtype(dtype)
-        scores = (scores * scale).to(acc)
-        if mask is not None:
-            scores = scores.masked_fill(mask[:, None], float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(dtype)
-        o_lat = torch.einsum("bhqk,bkr->bqhr", p, keys_c)
-        o = torch.einsum("bqhr,hvr->bqhv", o_lat, wkv[:, dn:, :]).reshape(R * s, h, dv)
-        v = u + mla_output(o, x, aw, cfg)
-        y = rms_norm(v, lw["post_attention_layernorm.weight"], eps)
-        i = cfg.num_hidden_layers + j
-        v = v + (self._moe(j, y, lw.sub("block_sparse_moe.")) if cfg.is_moe_layer(i)
-                 else dense_mlp(y, lw.sub("mlp."), cfg))
-        logits = rms_norm(v, lw["shared_head.norm.weight"], eps) @ self.head[j].T
-        return logits.to(acc).view(R, s, -1), v.view(R, s, -1), c_kv, k_pe
+        o_lat = self._attend(q_lat.view(R, s, h, r), q_pe.reshape(R, s, h, dr), keys_c, keys_pe, mask)
+        logits, v = self._finish(j, u, x, o_lat.reshape(R * s, h, r))
+        return logits.view(R, s, -1), v.view(R, s, -1), c_kv, k_pe
 
     def _moe(self, j: int, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The MTP layer's (Latent)MoE with the engine's routing and expert ops (k3serve.kernels.ops: no
@@ -331,4 +349,8 @@ class MTPProposer:
 def build_proposer(spec, cfg, weights, dtype):
     if spec.method == "ngram":
         return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if weights["model.embed_tokens.weight"].is_cuda:  # fixed-shape steps replayed as CUDA graphs
+        from k3serve.workers.engine.spec.mtp_graphs import GraphMTPProposer
+
+        return GraphMTPProposer(cfg, weights, dtype, spec.num_speculative_tokens)
     return MTPProposer(cfg, weights, dtype, spec.num_speculative_tokens)
