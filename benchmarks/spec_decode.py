@@ -82,12 +82,22 @@ class Row:
         step = self.llm.engine.step
 
         def timed_step(step=step):
+            cur = self._cur = {} if self._recording is not None else None
             t, c = time.monotonic(), time.thread_time()
             out = step()
             self.steps.append((t, time.thread_time() - c))
+            if cur is not None:
+                cur["wall"] = 1000 * (time.monotonic() - t)
+                self.split.setdefault(self._recording, []).append(cur)
+            self._cur = None
             return out
 
+        self._recording: str | None = None
+
         self.llm.engine.step = timed_step
+        self.split: dict[str, list[dict]] = {}  # set -> per engine step: where its time went (`_split_hooks`)
+        self._cur: dict | None = None
+        self._split_hooks(args.device.startswith("cuda"))
         prop = getattr(self.llm.engine, "proposer", None)
         if prop is not None and hasattr(prop, "cache_bytes"):  # the MTP cache's size when a request leaves
             drop = prop.drop
@@ -97,6 +107,72 @@ class Row:
                 drop(rid)
 
             prop.drop = measured_drop
+
+    def _split_hooks(self, cuda: bool) -> None:
+        """Per step: the forward (runner.execute) and the drafting (the proposer's observe + propose) timed on the
+        device's stream (CUDA events: the stream time between two points, which is the kernels' time when the host
+        keeps ahead, as with graph replays) or on the host clock (CPU); the rest of the step's wall time is host."""
+        import torch
+
+        eng = self.llm.engine
+
+        def mark():
+            if cuda:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                return e
+            return time.perf_counter()
+
+        execute = eng.runner.execute
+
+        def timed_execute(sched, execute=execute):
+            t0 = mark()
+            out = execute(sched)
+            if self._cur is not None:
+                self._cur.update(fwd=(t0, mark()), verify=bool(sched.spec_token_ids),
+                                 tokens=sum(len(c.token_ids) for c in sched.chunks))
+            return out
+
+        eng.runner.execute = timed_execute
+        prop = getattr(eng, "proposer", None)
+        if prop is None:
+            return
+        observe, propose = getattr(prop, "observe_batch", None), prop.propose_batch
+
+        def timed_observe(items, observe=observe):
+            if self._cur is not None:
+                self._cur["draft0"] = mark()
+            return observe(items)
+
+        def timed_propose(reqs, propose=propose):
+            if self._cur is not None and "draft0" not in self._cur:
+                self._cur["draft0"] = mark()
+            out = propose(reqs)
+            if self._cur is not None:
+                self._cur["draft1"] = mark()
+            return out
+
+        if observe is not None:
+            prop.observe_batch = timed_observe
+        prop.propose_batch = timed_propose
+
+    def split_rows(self, set_name: str, cuda: bool) -> list[float]:
+        """Medians over the decode-phase steps (after the first token) of: step wall ms, forward ms of verify
+        steps, forward ms of plain decode steps, drafting ms, host ms (wall - forward - drafting)."""
+        def ms(a, b):
+            return a.elapsed_time(b) if cuda else 1000 * (b - a)
+
+        steps = [d for d in self.split.get(set_name, []) if "fwd" in d and d["tokens"] <= 16]
+
+        def med(xs):
+            return round(statistics.median(xs), 3) if xs else float("nan")
+
+        fwd = [ms(*d["fwd"]) for d in steps]
+        draft = [ms(d["draft0"], d["draft1"]) if "draft1" in d else 0.0 for d in steps]
+        wall = [d["wall"] for d in steps]
+        return [len(steps), med(wall), med([f for f, d in zip(fwd, steps) if d["verify"]]),
+                med([f for f, d in zip(fwd, steps) if not d["verify"]]), med(draft),
+                med([w - f - g for w, f, g in zip(wall, fwd, draft)])]
 
     def warm_up(self, prompt: list[int]) -> None:
         from k3serve.sampling_params import SamplingParams
@@ -115,7 +191,9 @@ class Row:
 
         before = self._spec_counts()
         self.steps.clear()
+        self._recording = set_name
         out = self.llm.generate([prompt], self.sp)[0]
+        self._recording = None
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         m, n = out.metrics, len(out.outputs[0].token_ids)
@@ -209,13 +287,27 @@ def main(argv=None) -> None:
                         + ([round(x / drafts, 2) for x in c[2:]] if c else [0.0] * k)
                         + [f"{same}/{len(prompts)}", round(r.state_bytes() / 1024, 1)])
     print_table(headers, rows)
-    for cname, r in engines:  # on CUDA: verify steps that replayed a graph (workers/engine/spec/static_verify.py)
-        sv = getattr(r.llm.engine.runner, "static_verify", None)
+    cuda = args.device.startswith("cuda")
+    print("\nWhere a decode-phase step's time goes (medians, ms; forward and drafting timed "
+          + ("on the CUDA stream" if cuda else "on the host clock") + "; host = wall - forward - drafting):")
+    rows = []
+    for sname in sets:
+        for cname, r in engines:
+            rows.append([sname, cname, *r.split_rows(sname, cuda)])
+    print_table(["set", "config", "steps", "step wall", "verify fwd", "decode fwd", "drafting", "host"], rows)
+    print()
+    for cname, r in engines:  # verify steps, decode steps and drafter calls on the fixed-shape (graph) paths
+        runner = r.llm.engine.runner
+        sv = getattr(runner, "static_verify", None)
+        steps = sum(c[0] for c in r.counts.values() if c) if r.spec is not None else 0
+        line = f"{cname}: {runner.num_static_decode_steps} decode steps on the fixed-shape {'graph' if cuda else 'batch'} path"
         if r.spec is not None:
-            steps = sum(c[0] for c in r.counts.values() if c)
-            print(f"{cname}: {sv.num_steps if sv is not None else 0} of ~{steps} verify steps on the fixed-shape "
-                  f"{'graph' if args.device.startswith('cuda') else 'batch'} path"
-                  + ("" if sv is None or sv.enabled else " (graphs switched off: see the warning)"))
+            line += (f"; {sv.num_steps if sv is not None else 0} of ~{steps} verify steps"
+                     + ("" if sv is None or sv.enabled else " (verify graphs switched off: see the warning)"))
+            prop = r.llm.engine.proposer
+            if hasattr(prop, "num_replays"):
+                line += f"; drafter calls: {prop.num_replays} graph replays, {prop.num_eager} eager"
+        print(line)
 
 
 if __name__ == "__main__":
