@@ -47,8 +47,7 @@ def test_multi_rank_layout_is_refused_clearly():
     assert p.parse_args(["--model", "m", "--expert-parallel"]).enable_expert_parallel  # the former spelling
     assert worker.unsupported_layout(p.parse_args(dp)) is None  # DEP is served (workers/engine/parallel/dp_front.py)
     assert worker.unsupported_layout(p.parse_args(dp + ["--role", "decode"])) is None  # DEP decode pulls per rank
-    assert "P/D transfers from a data-parallel worker" in worker.unsupported_layout(
-        p.parse_args(dp + ["--role", "prefill"]))
+    assert worker.unsupported_layout(p.parse_args(dp + ["--role", "prefill"])) is None  # each rank serves its pages
     assert "spanning nodes" in worker.unsupported_layout(p.parse_args(dp + ["--nnodes", "2"]))
     assert worker.unsupported_layout(p.parse_args(["--model", "m"])) is None
     # tensor parallelism itself is served (workers/engine/parallel/); the engine judges the model's shapes

@@ -168,15 +168,15 @@ def test_dep_openai_server_with_the_official_client(tiny_model_dir):
 
 def test_dep_worker_bad_layout_is_one_line(tiny_model_dir):
     """The engine's refusal (32 experts over 3 ranks) is one `k3serve: error:` line, exit 1, no traceback and no
-    rank started; a layout the worker cannot serve (--role prefill) is one line, exit 2."""
+    rank started; a layout the worker cannot serve (2 ranks over 3 nodes) is one line, exit 2."""
     base = [sys.executable, "-m", "k3serve.cli", "worker", "--model", str(tiny_model_dir), "--grpc-port", "0",
             "--metrics-port", "0", "--enable-expert-parallel"]
     env = dict(os.environ, PYTHONSAFEPATH="1")
     for extra, code, text in ((["--data-parallel-size", "3"], 1, "k3serve: error: data_parallel_size=3: this layout "
                                "cannot run the model: routed experts (32) are not divisible over 3 expert-parallel "
                                "ranks"),
-                              (["--data-parallel-size", "2", "--role", "prefill"], 2,
-                               "P/D transfers from a data-parallel worker are not implemented")):
+                              (["--data-parallel-size", "2", "--nnodes", "3"], 2,
+                               "--data-parallel-size=2 does not split over --nnodes=3")):
         proc = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, env=env)
         out = (proc.stdout + proc.stderr).strip()
         assert proc.returncode == code and text in out and len(out.splitlines()) == 1, out

@@ -40,10 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def unsupported_layout(args: argparse.Namespace) -> str | None:
     """Why this process cannot run the requested layout yet, or None."""
-    if args.data_parallel_size != 1:  # DEP: workers/engine/parallel/dp_front.py (the engine judges the model)
-        if args.role == "prefill":  # a DEP decode worker pulls into each rank (dp_engine.py); prefill is TP's
-            return (f"--data-parallel-size {args.data_parallel_size} with --role prefill: P/D transfers from a "
-                    "data-parallel worker are not implemented (--role decode and both are)")
+    # DEP (--data-parallel-size): workers/engine/parallel/dp_front.py judges the model; --role prefill and
+    # decode: every rank its own NIXL connector (workers/kv_transfer/dp_group.py)
     from k3serve.workers.engine.parallel.nodes import group_size, layout_problem  # groups spanning nodes
 
     size, what = group_size(args)  # DEP groups span nodes too (workers/engine/parallel/dp_engine.py)
@@ -74,7 +72,7 @@ def attach_transfer_metrics(engine, served) -> None:
     from k3serve.workers.kv_transfer.metrics import TransferMetrics
 
     nixl.ledger.metrics = TransferMetrics(served.registry, served.model_names[0])
-    pending = getattr(llm.scheduler, "has_pending_connector_work", None)
+    pending = getattr(llm, "has_pending_connector_work", None)  # a DEP front: every rank's pinned pages
 
     def poll_when_idle() -> None:
         if pending is not None and pending() and not llm.has_unfinished_requests():

@@ -23,6 +23,10 @@ every rank's READs have ended (pulled if all succeeded, else recomputed). With o
 notification rides on it; otherwise rank 0 notifies the prefill side on its own once every READ of every
 rank is DONE, so no prefill rank frees pages another READ is still reading.
 
+A DEP prefill worker (workers/kv_transfer/dp_group.py): every data-parallel rank is its own engine with
+its own connector; a request's `remote_engine_id` names the rank holding its pages, and the decode side
+reads that rank's agent (handshake.py `Peer.ranks_of`), whose notification frees the pages there.
+
 `TransferLedger` (shared by the halves, read by the gRPC layer) records each decode request's outcome
 (KvTransferResult in worker.proto) and feeds the transfer metrics.
 """
@@ -296,6 +300,7 @@ class NixlWorker(KVConnectorWorker):
         self.geometry = None
         self.bases: list[int] = []
         self.other_ranks: list = []  # RankEndpoints of ranks 1.. (a multi-rank prefill worker)
+        self.dp_ranks: list = []  # RankEndpoints of data-parallel ranks 1.. (a DEP worker's rank 0: dp_group.py)
         self._local: dict[tuple, object] = {}  # (ratio, parts, source) -> (DescriptorSide, prepped handle)
         self._inflight: list[_InFlight] = []
         self._failed: set[str] = set()
@@ -345,16 +350,17 @@ class NixlWorker(KVConnectorWorker):
         check_compatible(self.factors, request.compatibility_hash, theirs)
         return metadata_response(pb, engine_id=self.ctx.engine_id, factors=self.factors, agent_name=self.agent.name,
                                  agent_metadata=self._metadata, bases=self.bases, geometry=self.geometry,
-                                 other_ranks=self.other_ranks)
+                                 other_ranks=self.other_ranks, dp_ranks=self.dp_ranks)
 
     # decode side -------------------------------------------------------------------------------
-    def _sides(self, peer):
+    def _sides(self, peer, engine_id: str):
         """(mapping, [(source rank, (local side, handle), (remote side, handle))]): one per prefill rank
-        this rank reads, the MLA source first (its READ also carries the MLA view)."""
+        this rank reads, the MLA source first (its READ also carries the MLA view); `engine_id`: the engine
+        that pinned the pages (a DEP peer's data-parallel rank, handshake.py Peer.ranks_of)."""
         from k3serve.workers.kv_transfer.views import DescriptorSide
 
         mapping = plan_pd_mapping(peer.geometry.side(), self.geometry.side(), self.tp_rank)
-        ranks = peer.ranks or {0: (peer.agent_name, peer.bases, peer.geometry)}
+        ranks = peer.ranks_of(engine_id)
         srcs = [mapping.mla_src_rank] + [r for r in mapping.kda_src_ranks if r != mapping.mla_src_rank]
         if not self.geometry.has_kda:
             srcs = srcs[:1]
@@ -369,14 +375,15 @@ class NixlWorker(KVConnectorWorker):
             if key not in self._local:
                 side = DescriptorSide(self.geometry, self.bases, mapping, sub, local=True, src_rank=src, with_mla=mla)
                 self._local[key] = (side, self.agent.prep_local(side.descs) if len(side.descs) else None)
-            if ("remote", src) not in peer.prepared:
+            rkey = ("remote", engine_id if peer.dp_ranks else "", src)
+            if rkey not in peer.prepared:
                 name, bases, geom = ranks[src]
                 rside = DescriptorSide(geom, bases, mapping, sub, local=False, src_rank=src, with_mla=mla)
-                peer.prepared[("remote", src)] = self.agent.prep_remote(name, rside.descs)
+                peer.prepared[rkey] = self.agent.prep_remote(name, rside.descs)
                 if peer.remote_side is None:
                     peer.remote_side = {}
-                peer.remote_side[src] = rside
-            out.append((src, self._local[key], (peer.remote_side[src], peer.prepared[("remote", src)])))
+                peer.remote_side[rkey] = rside
+            out.append((src, self._local[key], (peer.remote_side[rkey], peer.prepared[rkey])))
         return mapping, out
 
     def pending(self) -> bool:
@@ -503,8 +510,9 @@ class NixlWorker(KVConnectorWorker):
         from k3serve.workers.kv_transfer.views import plan_request
 
         p, spec = job.params, job.spec
+        engine_id = str(p.get("remote_engine_id", ""))
         try:
-            mapping, sides = self._sides(peer)
+            mapping, sides = self._sides(peer, engine_id)
         except PDGeometryError as e:
             self._fail(job, "geometry", str(e))
             return
@@ -553,8 +561,7 @@ class NixlWorker(KVConnectorWorker):
         plans[0].bytes_by_view = total
         notify = None
         if not lone and self.tp_rank == 0:  # the prefill worker's rank 0 frees the pages: tell it once every READ is over
-            ranks = peer.ranks or {0: (peer.agent_name, None, None)}
-            notify = (ranks[0][0], notif)
+            notify = (peer.ranks_of(engine_id)[0][0], notif)
         now = time.monotonic()
         self._inflight.append(_InFlight(job, posted[0], now, now + self.timeout_s, plans[0],
                                         (mla_loaded, E, kda_pairs, [s[1][0] for s in sides]), host, port,

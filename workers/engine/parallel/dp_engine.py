@@ -13,6 +13,7 @@ A spawned rank (`dp_rank_main`) answers the front's messages over its pipe, one 
     ("abort", rids) -> final outputs    ("step",) -> (outputs, KV events since the last step, error text,
                                                       has pending connector work)
     ("snapshot",) -> cache contents     ("stats",) -> stats dict       None -> exit 0
+    ("transfer_endpoint",) -> the rank's P/D agent and engine id (workers/kv_transfer/dp_group.py)
 Every answer is ("ok", value, transfers) or ("err", (bad input?, message), transfers): `transfers` are the
 P/D outcomes (workers/kv_transfer/connector.py TransferLedger.record arguments) the rank's NIXL connector
 recorded since its last answer, which the front records in rank 0's ledger (the one the gRPC layer and the
@@ -319,6 +320,10 @@ def dp_rank_main(rank: int, spec: RankArgs, conn) -> None:
                     result = engine.kv_cache_snapshot()
                 elif op == "stats":
                     result = engine.stats()
+                elif op == "transfer_endpoint":  # P/D from a DEP worker: workers/kv_transfer/dp_group.py
+                    from k3serve.workers.kv_transfer.dp_group import rank_endpoint
+
+                    result = rank_endpoint(engine, rank)
                 else:
                     raise ValueError(f"unknown message {op!r}")
             except Exception as e:  # noqa: BLE001 - e.g. a bad request: the front raises it to its caller

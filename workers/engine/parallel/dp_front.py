@@ -124,6 +124,10 @@ class DPEngine:
 
         nixl = find_nixl(self.local)
         self.ledger = nixl.ledger if nixl is not None else None  # every rank's P/D outcomes land here
+        if nixl is not None:  # P/D: rank 0's handshake names every rank's agent (workers/kv_transfer/dp_group.py)
+            from k3serve.workers.kv_transfer.dp_group import install
+
+            install(self.local, [self._call(r, ("transfer_endpoint",)) for r in range(1, size)])
         self.event_listeners: list[Callable[[KVEvent], None]] = []
         self.local.subscribe_kv_events(lambda ev: self._on_event(0, ev))
 

@@ -1,0 +1,117 @@
+"""P/D from a DEP prefill pool, for real: `k3serve worker --role prefill --data-parallel-size 2
+--enable-expert-parallel` (each DP rank a whole engine with its own pages, NIXL connector and agent) feeds a
+one-rank decode worker and a DEP2 decode worker over NIXL (UCX over shared memory), driven over gRPC the way
+the router does (tests/test_pd_workers.py's hops).
+
+A request's transfer parameters name the engine of the DP rank that prefilled it; the prefill worker's one
+handshake lists every DP rank's agent (`dp_ranks`, workers/kv_transfer/dp_group.py), so the decode side reads
+that rank's pages and its notification frees them on that rank. Prefill hops sent together spread over both
+prefill ranks (the front's load rule); decode block 32 = 2 x prefill block 16 (design doc §5.4/§5.5), the
+decode workers' free pages poisoned with 0xFF (NaN) first. Greedy float64 tokens and their log-probabilities
+(to 1e-9) equal the plain reference forward's on a random config and random prompts, and every pinned page of
+both prefill ranks is free again afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from k3serve.proto import worker_pb2 as pb
+from k3serve.workers.model.testing import random_config
+from tests._engine_helpers import random_model_dir, reference_outputs
+from tests.test_pd_hetero_tp import _decode, _reference_logprobs
+from tests.test_pd_workers import _W, _start, _wait_ready, prefill_hop
+
+SEED = 10  # random_config(10): 3 KDA + 3 MLA layers, 8 routed experts
+DEP = ["--data-parallel-size", "2", "--enable-expert-parallel"]
+POISON = {"K3SERVE_KV_POISON_FREE_PAGES": "1"}
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    model = random_model_dir(tmp_path_factory.mktemp("dep-prefill"), SEED)
+    procs = {"P": _start(model, "prefill", *DEP, "--block-size", "16", "--enable-prefix-caching",
+                         "--max-num-batched-tokens", "16"),
+             "D1": _start(model, "decode", "--block-size", "32", "--kv-transfer-timeout", "5", env_extra=POISON),
+             "D2": _start(model, "decode", *DEP, "--block-size", "32", "--kv-transfer-timeout", "5",
+                          env_extra=POISON)}
+    out = {}
+    try:
+        for k, p in procs.items():
+            out[k] = _W(p, *_wait_ready(p))
+        yield model, out
+    finally:
+        for w in out.values():
+            w.channel.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _together(fn, n):
+    """fn(i) for i in range(n), all at once (threads); the results in order (a failure re-raised)."""
+    res, errs = [None] * n, []
+
+    def run(i):
+        try:
+            res[i] = fn(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errs.append(e)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    if errs:
+        raise errs[0]
+    return res
+
+
+def test_dep2_prefill_to_tp1_and_dep2_decode_equals_reference(pool):
+    model, w = pool
+    vocab = random_config(SEED).vocab_size
+    rng = random.Random(SEED)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(20, 70))] for _ in range(4)]
+    max_new = 5
+    want = reference_outputs(model, prompts, max_new)
+    engines = set()
+    for dname in ("D1", "D2"):
+        kvps = _together(lambda i, d=dname: prefill_hop(w["P"], f"{d}-p{i}", prompts[i], max_new), len(prompts))
+        engines |= {k.remote_engine_id for k in kvps}
+        assert all(k.tp_size == 1 and k.block_size == 16 for k in kvps)
+        got = _together(lambda i, d=dname, k=kvps: _decode(w[d], f"{d}-d{i}", prompts[i], max_new, k[i]),
+                        len(prompts))
+        for i, (toks, lps, res) in enumerate(got):
+            assert toks == want[i], (dname, i, res)
+            ref = _reference_logprobs(model, prompts[i], toks)
+            assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-9, (dname, i, lps, ref)
+            assert res["outcome"] == "pulled" and res["bytes"] > 0, (dname, i, res)
+            assert res["pulled_tokens"] + res["local_cached_tokens"] == len(prompts[i]) - 1, (dname, i, res)
+    # the prefill hops landed on both DP ranks (their engines), and one handshake names both ranks' agents
+    assert len(engines) == 2, engines
+    resp = w["P"].stub.GetTransferMetadata(pb.TransferMetadataRequest(compatibility_hash=kvps[0].compatibility_hash),
+                                           timeout=10)
+    assert [r.dp_rank for r in resp.dp_ranks] == [1] and resp.tp_size == 1
+    assert {resp.engine_id, resp.dp_ranks[0].engine_id} == engines
+    assert resp.dp_ranks[0].agent_name != resp.agent_name
+    # every decode pull's notification reached the rank holding its pages: all pages of both ranks free again
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = w["P"].stub.GetLoad(pb.LoadRequest(), timeout=5)
+        if load.free_pages == load.total_pages:
+            break
+        time.sleep(0.2)
+    assert load.free_pages == load.total_pages, load
+
