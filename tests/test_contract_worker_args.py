@@ -48,7 +48,9 @@ def test_multi_rank_layout_is_refused_clearly():
     assert worker.unsupported_layout(p.parse_args(dp)) is None  # DEP is served (workers/engine/parallel/dp_front.py)
     assert worker.unsupported_layout(p.parse_args(dp + ["--role", "decode"])) is None  # DEP decode pulls per rank
     assert worker.unsupported_layout(p.parse_args(dp + ["--role", "prefill"])) is None  # each rank serves its pages
-    assert "spanning nodes" in worker.unsupported_layout(p.parse_args(dp + ["--nnodes", "2"]))
+    assert worker.unsupported_layout(p.parse_args(dp + ["--nnodes", "2"])) is None  # DEP over nodes (dp_engine.py)
+    assert "--data-parallel-size=2 does not split over --nnodes=3" in worker.unsupported_layout(
+        p.parse_args(dp + ["--nnodes", "3"]))
     assert worker.unsupported_layout(p.parse_args(["--model", "m"])) is None
     # tensor parallelism itself is served (workers/engine/parallel/); the engine judges the model's shapes
     assert worker.unsupported_layout(p.parse_args(["--model", "m", "--tensor-parallel-size", "8"])) is None

@@ -182,7 +182,8 @@ def test_merged_events_store_on_first_holder_and_remove_on_last():
     (dict(data_parallel_size=2, enable_expert_parallel=True, speculative_config={"method": "ngram",
                                                                                  "num_speculative_tokens": 2}),
      "speculative decoding"),
-    (dict(data_parallel_size=2, enable_expert_parallel=True, nnodes=2), "spanning nodes"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, nnodes=3), "data_parallel_size=2 does not split over "
+                                                                        "nnodes=3"),
 ], ids=["experts-not-divisible", "no-expert-parallel", "tp-with-dp", "connectors", "spec", "nnodes"])
 def test_unrunnable_layout_is_a_clear_error(tmp_path_factory, kw, why):
     d = random_model_dir(tmp_path_factory.getbasetemp(), 0)

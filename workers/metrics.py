@@ -36,6 +36,10 @@ class _ReqTiming:
     num_tokens: int = 0
 
 
+# per-DP-rank gauge -> its key in each of DPEngine.stats()["dp_ranks"] (workers/engine/parallel/dp_front.py)
+_PER_DP_RANK = {"k3serve_dp_rank_num_requests_running": "running", "k3serve_dp_rank_num_requests_waiting": "waiting",
+                "k3serve_dp_rank_kv_cache_usage_perc": "kv_usage"}
+
 # (catalog counter, extra labels) -> the cumulative key of LLMEngine.stats() it follows.
 _CUMULATIVE: dict[tuple[str, tuple], str] = {
     ("vllm:num_preemptions", ()): "num_preemptions",
@@ -144,6 +148,9 @@ class EngineMetrics:
         for metric, key in gauges.items():
             if stats.get(key) is not None:
                 self._metric(metric).set(float(stats[key]))
+        for rank, per in enumerate(stats.get("dp_ranks") or ()):  # a DEP worker's ranks (parallel/dp_front.py)
+            for metric, key in _PER_DP_RANK.items():
+                self.m[metric].labels(model_name=self.model_name, engine=str(rank)).set(float(per[key]))
         for (metric, labels), key in _CUMULATIVE.items():
             if stats.get(key) is None:
                 continue

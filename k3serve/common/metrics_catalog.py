@@ -80,6 +80,14 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("k3serve_prefill_tokens_skipped", "counter", "Prompt tokens skipped thanks to cache hits.", _M, _W),
     MetricSpec("k3serve_engine_step_seconds", "histogram", "Wall time of one engine step.", _M, _W,
                LATENCY_BUCKETS),
+    # per data-parallel rank of a DEP worker (workers/engine/parallel/dp_front.py); `engine` = the DP rank, vLLM's
+    # label for its DP engines (the vllm: gauges above stay the worker's totals, labelled model_name only)
+    MetricSpec("k3serve_dp_rank_num_requests_running", "gauge", "Requests in one data-parallel rank's running batch.",
+               ("model_name", "engine"), _W),
+    MetricSpec("k3serve_dp_rank_num_requests_waiting", "gauge", "Requests waiting on one data-parallel rank.",
+               ("model_name", "engine"), _W),
+    MetricSpec("k3serve_dp_rank_kv_cache_usage_perc", "gauge",
+               "Fraction of one data-parallel rank's KV-cache pages in use (1 = full).", ("model_name", "engine"), _W),
     # --- host-memory offload tier (workers/engine/kv_connector/host_offload.py) ---
     MetricSpec("k3serve_kv_offload_hit_tokens", "counter", "Prompt tokens loaded from the host-memory KV tier.",
                _M, _W),

@@ -270,6 +270,7 @@ class DPEngine:
         out["kv_usage"] = used / out["total_pages"] if out.get("total_pages") else 0.0
         out["data_parallel_size"] = self.size
         out["dp_requests_routed"] = list(self.routed)
+        out["dp_ranks"] = [dict(running=s["running"], waiting=s["waiting"], kv_usage=s["kv_usage"]) for s in per]
         return out
 
     def close(self) -> None:

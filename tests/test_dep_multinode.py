@@ -1,0 +1,234 @@
+"""DEP groups spanning nodes (workers/engine/parallel/dp_engine.py, dp_front.py, nodes.py, node_process.py), two
+"nodes" on 127.0.0.1: the leader (node 0: the front, DP ranks 0..per_node-1, the rendezvous at
+--master-addr:--master-port) and a `k3serve worker --node-rank 1` process tree running the other DP ranks, which
+answer the front over their TCP link in msgpack (workers/engine/parallel/dp_wire.py), never pickle.
+
+* greedy float64 tokens of DP=2 over 2 nodes (1 rank each) and DP=4 over 2 nodes (2 ranks each) equal the
+  single-rank engine's and the reference forward's on random configs with prefix caching and chunked prefill:
+  a first round spread one request per rank (remote ranks too), then requests one at a time that each go to the
+  rank holding their prefix (remote ranks' caches hit); the merged KV-event stream equals the union of every
+  rank's cache (remote snapshots come back through dp_wire); everything listens on 127.0.0.1 only;
+* the serving leader's /metrics carries per-rank gauges (`engine` = the DP rank, vLLM's label) that follow
+  which rank runs what; SIGKILL of the node's process tree -> the leader exits non-zero within 10 s naming
+  the lost rank; SIGKILL of the leader -> the node process exits 1 within 10 s;
+* the operator's rendered two-node DEP decode group (one StatefulSet of 2 pods, 1 GPU per node) starts for
+  real under `k3serve operator simulate` and serves the offline DEP engine's tokens through the gateway.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from _engine_helpers import random_model_dir, reference_outputs
+from test_parallel_dp import OPTS, _generate, _keys, _single
+from test_parallel_multinode import ENV, _cli, _free_port, _listeners, _Proc, _tree
+
+from k3serve.proto import worker_pb2 as pb
+from k3serve.proto import worker_pb2_grpc as pb_grpc
+from k3serve.proto.convert import sampling_to_proto
+from k3serve.workers.engine.parallel.nodes import RemoteRank
+from k3serve.workers.llm import LLM
+from k3serve.workers.model.testing import random_config
+
+
+def _rounds(seed: int, vocab: int, n: int):
+    """n prompts (one per rank), then n each sharing >= one block with one of the first."""
+    import random
+
+    rng = random.Random(seed)
+    first = [[rng.randrange(vocab) for _ in range(rng.randint(18, 36))] for _ in range(n)]
+    second = [p[: rng.randint(17, len(p))] + [rng.randrange(vocab) for _ in range(rng.randint(1, 4))] for p in first]
+    return first, second
+
+
+def _dep(dp: int, *extra: str) -> list[str]:
+    return ["--data-parallel-size", str(dp), "--enable-expert-parallel", "--nnodes", "2", *extra]
+
+
+@pytest.mark.parametrize("seed,dp", [(10, 2), (39, 4)], ids=["dp2-2x1", "dp4-2x2"])
+def test_two_node_dep_greedy_equals_single_rank_and_reference(tmp_path_factory, seed, dp):
+    cfg = random_config(seed)
+    d = random_model_dir(tmp_path_factory.getbasetemp(), seed)
+    rounds = _rounds(seed, cfg.vocab_size, dp)
+    ref = reference_outputs(d, rounds[0] + rounds[1], 5)
+    single = _single(d, rounds)
+    port = _free_port()
+    node = _Proc(_cli("--model", str(d), *_dep(dp, "--node-rank", "1", "--master-addr", "127.0.0.1",
+                                              "--master-port", str(port), "--metrics-port", "0")))
+    try:
+        llm = LLM(str(d), data_parallel_size=dp, enable_expert_parallel=True, nnodes=2, master_port=port, **OPTS)
+        engine = llm.engine
+        merged = []
+        engine.subscribe_kv_events(merged.append)
+        try:
+            remote = [r for r, p, _c in engine.peers if isinstance(p, RemoteRank)]
+            assert remote == list(range(dp // 2, dp)) and [r for r, _p, _c in engine.peers] == list(range(1, dp))
+            m = node.wait_line(r"node 1 of 2 ready ranks=\[([\d, ]+)\]")
+            assert [int(x) for x in m.group(1).split(",")] == remote
+            got, first_ranks, _ = _generate(engine, rounds[0], "a")
+            assert sorted(first_ranks) == list(range(dp))  # one per rank: the remote ranks ran requests too
+            second_ranks, cached = [], []
+            for i, p in enumerate(rounds[1]):  # one at a time: the other ranks idle (dummy passes), local or not
+                toks, (rank,), (hit,) = _generate(engine, [p], f"b{i}")
+                got += toks
+                second_ranks.append(rank)
+                cached.append(hit)
+            stats = engine.stats()
+            snaps = [engine.local.kv_cache_snapshot()] + [engine._call(r, ("snapshot",)) for r in range(1, dp)]
+            bound = _listeners(_tree(os.getpid()) | _tree(node.p.pid))
+        finally:
+            engine.close()
+        assert node.p.wait(15) == 0, node.output()  # the leader stopped the group: the node exits 0
+    finally:
+        node.kill_tree()
+    assert got == single == ref
+    assert second_ranks == first_ranks and all(c > 0 for c in cached), (second_ranks, first_ranks, cached)
+    assert stats["dp_requests_routed"] == [2] * dp and len(stats["dp_ranks"]) == dp
+    assert stats["prefix_cache_hits"] >= dp
+    union = set().union(*(_keys(s) for s in snaps))
+    held = set()
+    for e in merged:  # the merged stream replayed: each key stored once while any rank holds it
+        key = (e.block_hash, e.group_id)
+        assert (key in held) == (e.kind == "removed"), e
+        (held.discard if e.kind == "removed" else held.add)(key)
+    assert held == union and all(_keys(s) for s in snaps)  # every rank, remote ones too, holds blocks
+    assert bound and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in bound), bound
+
+
+@pytest.fixture(scope="module")
+def dep_model(tmp_path_factory):
+    return random_model_dir(tmp_path_factory.getbasetemp(), 10)  # 2 DP ranks: experts divide
+
+
+def _start_group(model_dir):
+    port = _free_port()
+    common = ["--model", str(model_dir), *_dep(2), "--master-port", str(port), "--metrics-port", "0",
+              "--dtype", "float64", "--max-model-len", "512", "--skip-tokenizer-init", "--served-model-name", "m"]
+    leader = _Proc(_cli(*common, "--node-rank", "0", "--grpc-port", "0"))
+    node = _Proc(_cli(*common), env=dict(ENV, K3SERVE_NUM_NODES="2", K3SERVE_NODE_RANK="1",
+                                          K3SERVE_LEADER_ADDR="localhost"))  # its place as a pod gets it
+    lm = leader.wait_line(r"ready grpc=(\S+) metrics=(\S+)")
+    nm = node.wait_line(r"node 1 of 2 ready ranks=\[1\] .*metrics=(\S+)")
+    return leader, lm.group(1), lm.group(2), node, nm.group(1)
+
+
+def _rank_gauges(url: str) -> dict[tuple[str, str], float]:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return {(m.group(1), m.group(2)): float(m.group(3)) for m in re.finditer(
+        r'^k3serve_dp_rank_(num_requests_running|kv_cache_usage_perc)\{engine="(\d+)",model_name="m"\} (\S+)$',
+        text, re.M)}
+
+
+def _wait(cond, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def test_serving_leader_per_rank_metrics_and_node_death(dep_model):
+    leader, grpc_addr, lurl, node, _ = _start_group(dep_model)
+    try:
+        g = _wait(lambda: (lambda g: g if len(g) == 4 else None)(_rank_gauges(lurl)))  # 2 gauges x 2 ranks
+        assert g[("num_requests_running", "0")] == g[("num_requests_running", "1")] == 0.0, g
+        sp = sampling_to_proto(dict(temperature=0.0, max_tokens=400, ignore_eos=True))
+        with grpc.insecure_channel(grpc_addr) as ch:
+            stub = pb_grpc.WorkerStub(ch)
+            streams = []
+
+            def run(rid, prompt):
+                s = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp),
+                                  timeout=120)
+                streams.append(s)
+                try:
+                    for _ in s:
+                        pass
+                except grpc.RpcError:  # cancelled, or the leader exits
+                    pass
+
+            threading.Thread(target=run, args=("a", list(range(3, 40))), daemon=True).start()
+            # a runs on rank 0 alone (the leader's own), then b goes to the idle remote rank 1
+            _wait(lambda: _rank_gauges(lurl).get(("num_requests_running", "0")) == 1.0)
+            assert _rank_gauges(lurl)[("num_requests_running", "1")] == 0.0
+            threading.Thread(target=run, args=("b", [(5 * i + 1) % 60 for i in range(30)]), daemon=True).start()
+            g = _wait(lambda: (lambda g: g if g.get(("num_requests_running", "1")) == 1.0 else None)(_rank_gauges(lurl)))
+            assert g[("num_requests_running", "0")] == 1.0 and g[("kv_cache_usage_perc", "1")] > 0.0, g
+            assert httpx.get(lurl + "/health", timeout=5).status_code == 200
+            t0 = time.monotonic()
+            node.kill_tree()  # the node pod dies mid-decode: its rank and the node process
+            leader.p.wait(10)
+            took = time.monotonic() - t0
+    finally:
+        leader.kill_tree()
+        node.kill_tree()
+    assert leader.p.returncode not in (None, 0) and took < 10, (took, leader.output())
+    assert re.search(r"data-parallel rank 1 exited \(status lost: its node \(\S+\) closed the connection",
+                     leader.output()), leader.output()
+
+
+def test_leader_death_makes_the_dep_node_exit(dep_model):
+    leader, _, _, node, nurl = _start_group(dep_model)
+    try:
+        assert httpx.get(nurl + "/health", timeout=5).status_code == 200
+        t0 = time.monotonic()
+        leader.kill_tree()
+        node.p.wait(10)
+        assert node.p.returncode == 1 and time.monotonic() - t0 < 10, node.output()
+        assert "rank 1 exited (status 1); stopping this node" in node.output()
+    finally:
+        leader.kill_tree()
+        node.kill_tree()
+
+
+def test_operator_simulate_runs_a_rendered_two_node_dep_group(tmp_path, tiny_model_dir):
+    """A DEP pool of dataParallelSize=2 with expert parallelism on 1-GPU nodes renders one StatefulSet of 2 pods
+    per group, each running `k3serve worker --data-parallel-size 2 --enable-expert-parallel` with its place
+    from the pod contract's env (operator/render_workers.py); `k3serve operator simulate` runs them (pod IPs
+    127.100.x.N) and the gateway serves the offline DEP2 engine's greedy completion; SIGKILL of the node pod
+    makes the leader exit 1 (restartPolicy restarts both)."""
+    import openai
+    import yaml
+    from _k8s_sim import start_simulation
+
+    from k3serve.sampling_params import SamplingParams
+
+    cr = yaml.safe_load((Path(__file__).resolve().parents[1] / "manifests/samples/tiny-cpu.yaml").read_text())
+    cr["spec"]["prefill"]["replicas"] = 0
+    cr["spec"]["kvStore"]["enabled"] = False
+    cr["spec"]["decode"].update(dataParallelSize=2, expertParallel=True, gpusPerNode=1)
+    cr["spec"]["decode"].pop("transferDevices", None)
+    cr["spec"]["cache"].update(kvCacheMemory="8Mi", maxModelLen=512)
+    sim = start_simulation(cr, tmp_path, model_dir=tiny_model_dir, operator=False, timeout=300)
+    try:
+        leader_log, node_log = sim.log("tiny-decode-0-0"), sim.log("tiny-decode-0-1")
+        leader_ip = re.search(r"ready grpc=([\d.]+):", leader_log).group(1)
+        assert leader_ip.startswith("127.100.")
+        assert f"node 1 of 2 ready ranks=[1] leader={leader_ip}:29500" in node_log, node_log
+        client = openai.OpenAI(base_url=sim.gateway, api_key="none", max_retries=0, timeout=120)
+        got = client.completions.create(model="k3-tiny", prompt="The cache keeps", max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+        os.killpg(int((sim.root / "pods" / "tiny-decode-0-1" / "pid").read_text()), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while "pod tiny-decode-0-0 exited with code 1" not in sim.output() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "pod tiny-decode-0-0 exited with code 1" in sim.output(), sim.output()
+    finally:
+        sim.stop()
+    assert "data-parallel rank 1 exited (status lost: its node" in sim.log("tiny-decode-0-0")
+    offline = LLM(str(tiny_model_dir), max_model_len=512, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        ref = offline.generate("The cache keeps", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    finally:
+        offline.engine.close()
+    assert got == ref.outputs[0].text
