@@ -40,15 +40,18 @@ SHAPES = {  # name: (E, topk, DIN, I, DOUT)
     "small": (64, 8, 1024, 768, 1024),
 }
 # (label, knobs). First compiles dominate the run time: every distinct (tiles, warps) pair compiles 1-2
-# kernels (~1-3 s each), so keep this list short; `programs` and `variant="auto"` do not recompile.
+# kernels (~1-3 s each), so keep this list short; `programs` and `variant="auto"` do not recompile. "gemv" rows
+# run only where T * topk <= moe.AUTO_GEMV_MAX_PAIRS (where "auto" takes that path), "dot" rows only above it.
 CONFIGS = [
-    ("blocks (current default)", dict(variant="blocks")),
-    ("gemv", dict(variant="gemv")),
+    ("gemv combine=atomic", dict(variant="gemv", combine="atomic")),
     ("gemv combine=loop", dict(variant="gemv", combine="loop")),
-    ("gemv warps=2", dict(variant="gemv", num_warps=2)),
-    ("gemv bn1=8 bk1=1024 bn2=64 bk2=256", dict(variant="gemv", bn1=8, bk1=1024, bn2=64, bk2=256)),
+    ("gemv combine=unroll", dict(variant="gemv", combine="unroll")),
+    ("gemv unroll bn2=8 bk2=1024", dict(variant="gemv", combine="unroll", bn2=8, bk2=1024)),
+    ("gemv atomic bk1=1024 bk2=1024", dict(variant="gemv", combine="atomic", bk1=1024, bk2=1024)),
+    ("gemv atomic bn1=8 bk1=1024 bk2=1024", dict(variant="gemv", combine="atomic", bn1=8, bk1=1024, bk2=1024)),
+    ("gemv unroll bn1=8 bk1=1024 bn2=8 bk2=1024", dict(variant="gemv", combine="unroll", bn1=8, bk1=1024, bn2=8,
+                                                       bk2=1024)),
     ("dot", dict(variant="dot")),
-    ("dot programs=2/SM", dict(variant="dot", programs=-2)),
     ("dot programs=8/SM", dict(variant="dot", programs=-8)),
     ("dot bn2=64 warps=8", dict(variant="dot", bn2=64, num_warps=8)),
     ("auto", dict(variant="auto")),
@@ -73,6 +76,29 @@ def graph_of(fn):
         return None
 
 
+def route_rows(name, T, k, E, ids, rows):
+    """`route_blocks` (the "dot" path's sort into blocks) both ways, graph-timed: PyTorch's sort/scan/scatter and
+    the one-program Triton kernel (kernels/triton/moe_route.py); the results must be the same block layout."""
+    res = {}
+    for label, on in (("route_blocks torch", False), ("route_blocks triton", True)):
+        moe.ROUTE_KERNEL = on
+        try:
+            fn = partial(moe.route_blocks, ids, E, True)
+            res[on] = fn()
+            gr = graph_of(fn)
+            t = bench(gr.replay) if gr is not None else float("nan")
+        finally:
+            moe.ROUTE_KERNEL = True
+        rows.append([name, T, "-", label, "-", round(t, 1), "-", "-", "-"])
+        print(f"#   {label}: graph {t:.1f} us", flush=True)
+    (s0, o0, b0, n0), (s1, o1, b1, n1) = res[False], res[True]
+    same = torch.equal(s0, s1) and torch.equal(b0, b1) and torch.equal(n0, n1)
+    P = ids.numel()
+    seg = s1.long() * P + o1.long()  # the pairs of each expert as a set: compare after sorting within experts
+    same = same and torch.equal(torch.sort(s0.long() * P + o0.long()).values, seg)
+    print(f"#   route_blocks layouts equal: {same}", flush=True)
+
+
 def run_shape(name, Ts, bw, deadline, rows, profile):
     E, k, DIN, I, DOUT = SHAPES[name]
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -94,7 +120,11 @@ def run_shape(name, Ts, bw, deadline, rows, profile):
         ref = reference.moe_experts(z.float(), tw, ids, **wkw).double()
         shape = f"{name} T={T} E={E} k={k} active={n_act} {nbytes / 1e6:.0f}MB floor={floor:.1f}us"
         print(f"# {shape}", flush=True)
+        route_rows(name, T, k, E, ids, rows)
         for label, knobs in CONFIGS:
+            path = knobs.get("variant")
+            if path in ("gemv", "dot") and (path == "gemv") != (T * k <= moe.AUTO_GEMV_MAX_PAIRS):
+                continue
             if time.time() > deadline:
                 print(f"#   {label}: skipped (budget)", flush=True)
                 continue

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 
 from ._common import dot_precision, next_pow2
+from .moe_route import MAX_PAIRS as route_blocks_triton_max_pairs
+from .moe_route import route_blocks_triton
 
 BM = 16
 
@@ -346,14 +348,27 @@ def _moe_gemv1_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, DIN, I, TOPK, z_strid
 
 
 @triton.jit
-def _moe_gemv2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, I, DOUT, TOPK, w_e, w_n, s_e, s_n,
-                      BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr, LOOP: tl.constexpr):
-    """Decode path, down GEMM + combine. LOOP=False: one pair x one tile of DOUT per program, fp32 atomic
-    adds into out. LOOP=True: one token x one tile per program, its TOPK pairs summed in registers and
-    stored once (out in the activation dtype, no zero fill, no atomics)."""
+def _moe_gemv2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, I, DOUT, TOPK: tl.constexpr, w_e, w_n, s_e,
+                      s_n, BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr, LOOP: tl.constexpr):
+    """Decode path, down GEMM + combine. LOOP=0 ("atomic"): one pair x one tile of DOUT per program, fp32 atomic
+    adds into out. LOOP=1 ("loop"): one token x one tile per program, its TOPK pairs summed in registers and
+    stored once (out in the activation dtype, no zero fill, no atomics). LOOP=2 ("unroll"): like 1, with the
+    TOPK pairs unrolled and branch-free (an invalid pair's rows masked, its term selected away), so the loads of
+    all pairs can be in flight together."""
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = rn < DOUT
-    if LOOP:
+    if LOOP == 2:
+        tok = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            pr = tok * TOPK + j
+            e = tl.load(ids_ptr + pr)
+            ok = e >= 0
+            y, _ = _gemv_rows(h_ptr + pr * I, w_ptr, s_ptr, tl.maximum(e, 0), rn, mn & ok, I, w_e, w_n, s_e, s_n, BN,
+                              BK, FP4, 1.0, False, 0)
+            acc += tl.where(ok, y * tl.load(tw_ptr + pr).to(tl.float32), 0.0)
+        tl.store(out_ptr + tok * DOUT + rn, acc.to(out_ptr.dtype.element_ty), mask=mn)
+    elif LOOP == 1:
         tok = tl.program_id(0).to(tl.int64)
         acc = tl.zeros([BN], dtype=tl.float32)
         for j in range(TOPK):
@@ -469,14 +484,23 @@ def _moe_dot2_kernel(h_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_pt
         tl.atomic_add(out_ptr + tok[:, None] * DOUT + rn[None, :], acc * wt[:, None], mask=rm[:, None] & mn[None, :])
 
 
+ROUTE_KERNEL = True
+"""Up to `moe_route.MAX_PAIRS` routed pairs, `route_blocks` runs the one-program Triton kernel
+(kernels/triton/moe_route.py) instead of PyTorch's sort/scan/scatter (False: always PyTorch, for comparisons)."""
+
+
 def route_blocks(topk_ids: torch.Tensor, E: int, count: bool = False):
     """Sort routed pairs by expert and cut them into blocks of <= 16 pairs of one expert, on the device.
 
     Returns (sorted expert ids int32 [P] (invalid ids sorted last as E), pair order int32 [P] (pair = t*k + j),
     block starts int32 [P] (position of each block's first pair, -1 past the last block)); with count=True
-    also the number of blocks as an int32 [1] device tensor.
+    also the number of blocks as an int32 [1] device tensor. Pairs of one expert are in pair order with the
+    Triton kernel (a stable sort); the PyTorch form's sort leaves their order unspecified.
     """
     P = topk_ids.numel()
+    if ROUTE_KERNEL and 1 <= P <= route_blocks_triton_max_pairs:
+        res = route_blocks_triton(topk_ids, E, BM)
+        return res if count else res[:3]
     dev = topk_ids.device
     ids = topk_ids.reshape(-1).to(torch.int64)
     ids = torch.where(ids >= 0, ids, torch.full_like(ids, E))
@@ -534,7 +558,7 @@ def _gemv_path(zc, tw, topk_ids, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, 
         float(2.0**64) if fp4_2 else 1.0, BN=bn1, BK=bk1, FP4=fp4_1, SITU=situ, HAS_LIN=has_lin,
         **_launch_opts(warps[0], num_stages),
     )
-    loop = combine == "loop"
+    loop = COMBINES.index(combine)  # 0 atomic, 1 loop, 2 unroll (the kernel's LOOP)
     out = torch.empty(T, DOUT, dtype=zc.dtype, device=dev) if loop else torch.zeros(T, DOUT, dtype=torch.float32,
                                                                                    device=dev)
     _moe_gemv2_kernel[(T if loop else P, triton.cdiv(DOUT, bn2))](
@@ -583,6 +607,9 @@ DEFAULT_VARIANT = "auto"  # H200 sweep: T=1 38 µs vs blocks 251, T=8 165 vs 102
 """What `moe_experts_triton` runs when no variant is given (the lead flips this after measuring)."""
 AUTO_GEMV_MAX_PAIRS = 128
 """variant="auto": "gemv" when T * topk <= this, else "dot"."""
+COMBINES = ("atomic", "loop", "unroll")
+GEMV_COMBINE = "unroll"
+"""The "gemv" path's combine when none is given (see `moe_experts_triton`)."""
 
 # Default tiles (rows, K) per variant, gate/up then down, for MXFP4 and dense weights, and warps per kernel.
 # From the sm_90 compiles (aot_check): "gemv" (16, 512) / (128, 128) at 4 warps: ~5.7 / ~5.2 issued
@@ -595,8 +622,9 @@ _TILES = {"gemv": ((16, 512, 128, 128), (16, 64, 32, 64), (4, 4)),
 def _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps, fill=None):
     """Tile sizes and warps: the knobs where given, else the defaults, K tiles clamped to the problem.
 
-    `fill` = (routed pairs, DOUT, SMs): the "gemv" down tile is narrowed (down to 16 rows) until the launch has
-    at least one program per SM (the small preset at batch 1: 8 pairs x 1024 rows, 64 programs at 128 rows).
+    `fill` = (rows of programs, DOUT, SMs, narrowest): the "gemv" down tile is narrowed (down to `narrowest`
+    rows) until the launch has at least one program per SM (the small preset at batch 1: 8 pairs x 1024 rows,
+    64 programs at 128 rows; rows of programs = routed pairs for "atomic", tokens for "loop"/"unroll").
     """
     f4, dense, warps = _TILES[variant]
     kmin = 32 if variant == "gemv" else 128  # an MXFP4 "dot" K tile gives tl.dot K = BK/8 >= 16
@@ -606,8 +634,8 @@ def _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps, fill=No
     if not bn2:
         bn2 = (f4 if fp4_2 else dense)[2]
         if variant == "gemv" and fill is not None:  # too few (pair, tile) programs to fill the SMs: narrower tiles
-            pairs, dout, sms = fill
-            while bn2 > 16 and pairs * -(-dout // bn2) < sms:
+            pairs, dout, sms, narrowest = fill
+            while bn2 > narrowest and pairs * -(-dout // bn2) < sms:
                 bn2 //= 2
     if num_warps is not None:
         warps = tuple(num_warps) if isinstance(num_warps, (tuple, list)) else (num_warps, num_warps)
@@ -617,7 +645,7 @@ def _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps, fill=No
 def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_packed=None, w13_scale=None,
                        w2_packed=None, w2_scale=None, activation="situ", situ_beta=4.0, situ_linear_beta=None,
                        variant=None, bn1=None, bk1=None, bn2=None, bk2=None, num_warps=None, num_stages=None,
-                       combine="atomic", programs=None):
+                       combine=None, programs=None):
     """Triton implementation of `reference.moe_experts` (same arguments and result).
 
     Tuning knobs (None = the defaults): `variant` (default DEFAULT_VARIANT) "blocks" (sorted blocks of <= 16
@@ -625,8 +653,9 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     a lean MXFP4 decode), "dot" (sorted blocks like "blocks", lean MXFP4 decode into tl.dot, persistent
     programs over the device-side block count) or "auto" (by T * topk, see AUTO_GEMV_MAX_PAIRS);
     bn1/bk1 (gate/up tile: rows of I, K over DIN), bn2/bk2 (down tile: rows of DOUT, K over I); num_warps (an
-    int, or a pair for the two kernels); num_stages; `combine` ("gemv"): "atomic" (fp32 atomic adds, one
-    program per pair) or "loop" (one program per token sums its pairs: no atomics, no zero fill, no cast);
+    int, or a pair for the two kernels); num_stages; `combine` ("gemv", default GEMV_COMBINE): "atomic" (fp32
+    atomic adds, one program per pair), "loop" (one program per token sums its pairs: no atomics, no zero fill,
+    no cast) or "unroll" (as "loop", the pairs unrolled without branches);
     `programs` ("dot"): persistent programs per kernel (default 4 per SM).
     """
     if activation not in ("situ", "silu"):
@@ -634,8 +663,9 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     variant = variant or DEFAULT_VARIANT
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (one of {VARIANTS})")
-    if combine not in ("atomic", "loop"):
-        raise ValueError(f"unknown combine {combine!r}")
+    combine = combine or GEMV_COMBINE
+    if combine not in COMBINES:
+        raise ValueError(f"unknown combine {combine!r} (one of {COMBINES})")
     W1, S1, fp4_1 = _weights(w13, w13_packed, w13_scale, "w13")
     W2, S2, fp4_2 = _weights(w2, w2_packed, w2_scale, "w2")
     T, DIN = z.shape
@@ -655,8 +685,9 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     if variant == "auto":
         variant = "gemv" if P <= AUTO_GEMV_MAX_PAIRS else "dot"
     if variant in ("gemv", "dot"):
+        per_token = combine != "atomic"
         tiles, warps = _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps,
-                              fill=(P, DOUT, _num_sms(dev)))
+                              fill=(T if per_token else P, DOUT, _num_sms(dev), 8 if per_token else 16))
         if variant == "gemv":
             return _gemv_path(zc, tw, topk_ids, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, TOPK, act_args,
                               tiles, warps, num_stages, combine)
