@@ -11,7 +11,7 @@ from k3serve.workers.engine.llm_engine import LLMEngine
 
 
 class LLM:
-    def __init__(self, model: str, *, max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
+    def __init__(self, model: str, *, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 64, block_size: int | None = None,
                  kv_cache_memory: int | float | None = None, enable_prefix_caching: bool = False,
                  device: str = "cpu", dtype: str = "auto", seed: int = 0, **cache_options):

@@ -99,6 +99,35 @@ def _port(text: str) -> int:
     return n
 
 
+LARGE_GPU_BYTES = 80 * 10**9
+"""CUDA devices with at least this much memory get the larger default token budget per step."""
+
+
+def default_max_num_batched_tokens(device_type: str, total_memory: int | None) -> int:
+    """The token budget per engine step when none is given, from the device kind and its memory (bytes; None:
+    unknown): 16384 on a CUDA device with >= 80 GB, so an 8K-token prefill completes in one step (vLLM raised
+    its default on high-memory GPUs the same way), else 2048."""
+    if device_type == "cuda" and total_memory is not None and total_memory >= LARGE_GPU_BYTES:
+        return 16384
+    return 2048
+
+
+def device_memory(device: str) -> tuple[str, int | None]:
+    """(device kind, total memory in bytes or None) of a torch device string; None where it is not a visible
+    CUDA device (CPU, no CUDA here, or a malformed name: the engine reports that one when it builds)."""
+    kind = device.split(":", 1)[0].strip()
+    if kind != "cuda":
+        return kind, None
+    import torch
+
+    try:
+        if not torch.cuda.is_available():
+            return kind, None
+        return kind, int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    except (RuntimeError, ValueError, AssertionError):
+        return kind, None
+
+
 def positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -167,12 +196,16 @@ def _first(names: list[str] | None) -> str | None:
 class EngineArgs:
     def __post_init__(self) -> None:
         self.model = os.path.expanduser(str(self.model))  # `~/...` works from Python as in a shell
+        if self.max_num_batched_tokens is None:  # the field stays the one source: an int from here on
+            self.max_num_batched_tokens = default_max_num_batched_tokens(*device_memory(str(self.device)))
 
     model: str = arg(MISSING, "checkpoint directory", cli=False)  # each command spells it its own way
     max_model_len: int | None = arg(
         None, "context length, prompt + output (default: the model's max_position_embeddings, capped at 8192)",
         parse=positive_int)
-    max_num_batched_tokens: int = arg(2048, "tokens per engine step (prefill chunks + decodes)", parse=positive_int)
+    max_num_batched_tokens: int | None = arg(
+        None, "tokens per engine step (prefill chunks + decodes); default: 16384 on a CUDA device with >= 80 GB, "
+        "else 2048 (resolved once, when the arguments are made)", parse=positive_int)
     max_num_seqs: int = arg(64, "requests running at once", parse=positive_int)
     block_size: int | None = arg(None, "tokens per cache page (default: derived from the KDA state page size)",
                                  parse=positive_int)
