@@ -1,0 +1,101 @@
+"""Sequence parallelism with P/D and with speculative decoding, for real: a TEP+SP prefill worker
+(`k3serve worker --role prefill --tensor-parallel-size 2 --expert-parallel --enable-sequence-parallel`: the
+residual stream sharded by token between the attention layers, workers/engine/parallel/seq_parallel.py; its
+caches are TP's, each rank's KDA head slice in its own pages) feeds, over NIXL (UCX over shared memory),
+
+* a one-rank decode worker WITH speculation (MTP, 3 draft tokens): the production shape, a TEP prefill pool
+  and a speculating decode pool (speculation-only state is outside the pages NIXL exchanges), and
+* a TEP+SP decode worker (each decode rank pulls its own share; its small decode steps run the replicated TP
+  step, seq_parallel.py).
+
+Decode block 32 = 2 x prefill block 16; the decode workers' free pages are poisoned with 0xFF (NaN) first.
+Greedy float64 tokens equal the plain reference forward's on a random config (with an MTP layer) and random
+prompts, and the TP=1 pair's log-probabilities too (to 1e-9). Speculation on a TP>1 (so any SP) worker is
+refused with one line before any rank starts (not implemented: the drafter and the verify path are TP=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from k3serve.workers.model.testing import random_config
+from tests._engine_helpers import random_model_dir, reference_outputs
+from tests.test_pd_hetero_tp import _decode, _reference_logprobs
+from tests.test_pd_workers import _W, _metric, _start, _wait_ready, decode_hop, prefill_hop
+
+SEED = 24  # random_config(24): 3 KDA + 2 MLA layers, MoE layers 2 and 4 (4 experts), one MTP layer
+SP = ["--tensor-parallel-size", "2", "--expert-parallel", "--enable-sequence-parallel"]
+SPEC = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
+POISON = {"K3SERVE_KV_POISON_FREE_PAGES": "1"}
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    model = random_model_dir(tmp_path_factory.mktemp("sp-pd"), SEED)
+    procs = {"P": _start(model, "prefill", *SP, "--block-size", "16", "--enable-prefix-caching",
+                         "--max-num-batched-tokens", "32"),
+             "DS": _start(model, "decode", "--block-size", "32", "--kv-transfer-timeout", "5",
+                          "--speculative-config", SPEC, env_extra=POISON),
+             "D2": _start(model, "decode", *SP, "--block-size", "32", "--kv-transfer-timeout", "5",
+                          env_extra=POISON)}
+    out = {}
+    try:
+        for k, p in procs.items():
+            out[k] = _W(p, *_wait_ready(p))
+        yield model, out
+    finally:
+        for w in out.values():
+            w.channel.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_sp_prefill_to_speculating_and_sp_decode_equals_reference(pool):
+    model, w = pool
+    vocab = random_config(SEED).vocab_size
+    rng = random.Random(SEED)
+    # 3 tokens and more: the sequence-parallel prefill shards every batch of at least 2 tokens; 33+ tokens are
+    # chunked (max-num-batched-tokens 32); the last one reuses a prefix the prefill worker cached
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 18, 45, rng.randint(60, 100))]
+    prompts.append(prompts[3][:40] + [rng.randrange(vocab) for _ in range(6)])
+    max_new = 8
+    want = reference_outputs(model, prompts, max_new)
+    for i, prompt in enumerate(prompts):
+        kvp = prefill_hop(w["P"], f"ds-p{i}", prompt, max_new)
+        assert kvp.tp_size == 2 and kvp.block_size == 16
+        toks, lps, res = _decode(w["DS"], f"ds-d{i}", prompt, max_new, kvp)
+        assert toks == want[i], (i, res)
+        ref = _reference_logprobs(model, prompt, toks)
+        assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-9, (i, lps, ref)
+        assert res["outcome"] == "pulled" and res["pulled_tokens"] == len(prompt) - 1, (i, res)
+        toks, res = decode_hop(w["D2"], f"d2-d{i}", prompt, max_new, prefill_hop(w["P"], f"d2-p{i}", prompt, max_new))
+        assert toks == want[i], (i, res)
+        assert res["outcome"] == "pulled" and res["pulled_tokens"] == len(prompt) - 1, (i, res)
+    text = httpx.get(w["DS"].murl + "/metrics", timeout=10).text
+    assert _metric(text, "vllm:spec_decode_num_drafts_total") > 0  # the decode side did speculate
+    assert _metric(httpx.get(w["P"].murl + "/metrics", timeout=10).text, "vllm:prefix_cache_hits_total") > 0
+
+
+def test_speculation_with_sequence_parallelism_is_refused_in_one_line(tmp_path_factory):
+    model = random_model_dir(tmp_path_factory.mktemp("sp-pd"), SEED)
+    p = subprocess.run([sys.executable, "-m", "k3serve.cli", "worker", "--model", str(model), "--grpc-port", "0",
+                        "--metrics-port", "0", "--skip-tokenizer-init", "--dtype", "float64", *SP,
+                        "--speculative-config", SPEC], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONSAFEPATH="1"))
+    out = (p.stdout + p.stderr).strip()
+    assert p.returncode == 1 and len(out.splitlines()) == 1, out
+    assert out == "k3serve: error: speculative_config: not implemented with tensor_parallel_size > 1", out
