@@ -115,3 +115,21 @@ def test_dep2_prefill_to_tp1_and_dep2_decode_equals_reference(pool):
         time.sleep(0.2)
     assert load.free_pages == load.total_pages, load
 
+
+
+def test_malformed_dp_ranks_in_transfer_metadata_are_refused():
+    """A handshake answer whose dp_ranks do not name ranks 1..M-1 once each, each with its own engine id (or
+    that names them for a tensor-parallel worker) is IncompatiblePeer: no agent is installed from it."""
+    from k3serve.workers.kv_transfer.compat import IncompatiblePeer
+    from k3serve.workers.kv_transfer.handshake import dp_endpoints
+
+    def resp(*ranks, tp_size=1):
+        return pb.TransferMetadataResponse(engine_id="e0", tp_size=tp_size, dp_ranks=[
+            pb.TransferRankMetadata(dp_rank=r, engine_id=e, agent_name=f"a{r}", region_base_addrs=[1]) for r, e in ranks])
+
+    assert set(dp_endpoints(resp((1, "e1"), (2, "e2")))) == {"e1", "e2"}
+    assert dp_endpoints(resp()) == {}
+    for bad in (resp((1, "e1"), (1, "e2")), resp((1, "e1"), (2, "e1")), resp((1, "")), resp((1, "e0")),
+                resp((2, "e2")), resp((0, "e1")), resp((1, "e1"), tp_size=2)):
+        with pytest.raises(IncompatiblePeer):
+            dp_endpoints(bad)
