@@ -72,11 +72,8 @@ def check_dp_layout(cfg, args) -> None:
 
     nnodes = int(getattr(args, "nnodes", 1) or 1)
     nodes = layout_problem(dp, nnodes, int(getattr(args, "node_rank", 0) or 0), "data_parallel_size")
-    if nodes:
+    if nodes:  # P/D on other nodes' ranks: each rank's own agent, as on one node (workers/kv_transfer/dp_group.py)
         why.append(nodes)
-    elif nnodes > 1 and "nixl" in (getattr(args, "kv_connectors", None) or ()):
-        why.append("P/D transfers (the nixl connector) into data-parallel ranks on other nodes are not "
-                   "implemented yet (nnodes must be 1)")
     if getattr(args, "distributed_executor_backend", "mp") != "mp":
         why.append(f"distributed_executor_backend={args.distributed_executor_backend}: data-parallel ranks are "
                    "spawned processes (mp) only")
