@@ -3,7 +3,7 @@
 k3serve operator run [-A | -n NS ...] [--liveness URL] [--metrics-host H --metrics-port P]
 k3serve operator render -f CR.yaml [-n NS] [--lws] [--no-podmonitor]   # like `helm template`
 k3serve operator generate [--check]                                  # CRD, dashboards, RBAC files
-k3serve operator simulate -f CR.yaml [--prometheus]                  # the rendered pods as local processes
+k3serve operator simulate -f CR.yaml [--prometheus] [--lws]          # the rendered pods as local processes
 """
 
 from __future__ import annotations

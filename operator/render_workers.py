@@ -2,7 +2,8 @@
 
 * single-node groups: one StatefulSet NAME-POOL with `replicas` pods (one group each) and a headless
   Service of the same name;
-* multi-node groups with the LeaderWorkerSet CRD: one LeaderWorkerSet NAME-POOL, size = nodes per group;
+* multi-node groups with the LeaderWorkerSet CRD: one LeaderWorkerSet NAME-POOL, size = nodes per group,
+  a leader and a worker template (operator/render_lws.py);
 * multi-node groups without it: one StatefulSet NAME-POOL-I per group I (pods = nodes per group), each
   with its headless Service (ranks find their leader as NAME-POOL-I-0.NAME-POOL-I).
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import posixpath
 
 from k3serve.operator import names as n
-from k3serve.operator import quantity
+from k3serve.operator import quantity, render_lws
 from k3serve.operator.layout import PoolLayout
 from k3serve.operator.render_context import Context
 from k3serve.operator.render_pod import (
@@ -122,24 +123,8 @@ def _placement_env(ctx: Context, pool: PoolLayout, group_object: str | None) -> 
             {"name": "K3SERVE_NODE_RANK", "value": "0"},
             {"name": "K3SERVE_LEADER_ADDR", "value": "$(K3SERVE_POD_IP)"},
         ]
-    if uses_lws(ctx, pool):
-        lws = n.child(ctx.name, pool.pool)
-        return env + [
-            {
-                "name": "K3SERVE_NODE_RANK",
-                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{n.LABEL_LWS_WORKER_INDEX}']"}},
-            },
-            {
-                "name": "K3SERVE_GROUP_INDEX",
-                "valueFrom": {
-                    "fieldRef": {"fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"}
-                },
-            },
-            {
-                "name": "K3SERVE_LEADER_ADDR",
-                "value": f"{lws}-$(K3SERVE_GROUP_INDEX).{lws}.{ctx.namespace}.svc.{domain}",
-            },
-        ]
+    if uses_lws(ctx, pool):  # from the LWS controller's own variables (operator/render_lws.py)
+        return render_lws.placement_env(pool.nodes_per_group)
     assert group_object is not None
     return env + [
         {
@@ -257,27 +242,6 @@ def _statefulset(
     }
 
 
-def _leaderworkerset(ctx: Context, name: str, pool: PoolLayout, template: dict) -> dict:
-    return {
-        "apiVersion": "leaderworkerset.x-k8s.io/v1",
-        "kind": "LeaderWorkerSet",
-        "metadata": {"name": name, "namespace": ctx.namespace, "labels": n.labels(ctx.name, pool.pool)},
-        "spec": {
-            "replicas": pool.replicas,
-            "startupPolicy": "LeaderCreated",
-            "leaderWorkerTemplate": {
-                "size": pool.nodes_per_group,
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                "workerTemplate": template,
-            },
-            "rolloutStrategy": {
-                "type": "RollingUpdate",
-                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
-            },
-        },
-    }
-
-
 def worker_config(ctx: Context, pool: PoolLayout) -> dict:
     """The ConfigMap document of a pool (mounted at K3SERVE_CONFIG; informational for the worker)."""
     return {
@@ -321,7 +285,9 @@ def render_pool(ctx: Context, pool: PoolLayout) -> list[dict]:
             _statefulset(ctx, base, pool, pool.replicas, sel, template),
         ]
     if uses_lws(ctx, pool):
-        return [_leaderworkerset(ctx, base, pool, _pod_template(ctx, pool, {}, None, chash))]
+        leader = _pod_template(ctx, pool, {}, None, chash)
+        return [render_lws.leaderworkerset(ctx.namespace, base, n.labels(ctx.name, pool.pool), pool.replicas,
+                                           pool.nodes_per_group, leader)]
     out: list[dict] = []
     for group in range(pool.replicas):
         name = n.child(base, group)

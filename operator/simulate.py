@@ -39,6 +39,7 @@ from pathlib import Path
 
 import yaml
 
+from k3serve.operator import render_lws
 from k3serve.operator.render import render
 from k3serve.operator.render_context import RenderOptions
 from k3serve.operator.simulate_operator import SimulatedCluster
@@ -67,6 +68,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-when-ready", action="store_true", help="stop the pods and exit 0 once all are ready")
     p.add_argument("--operator", action="store_true",
                    help="also run the operator (kopf) against an API emulator holding the CR; report its status")
+    p.add_argument("--lws", action="store_true",
+                   help="the cluster has the LeaderWorkerSet CRD: multi-node groups run as a LeaderWorkerSet's pods")
 
 
 @dataclass
@@ -114,7 +117,9 @@ class Simulation:
         (box / "pid").write_text(str(self.procs[pod.name].pid))
 
     def restart_exited(self, backoff: dict[str, float], log=print) -> None:
-        """restartPolicy Always: the kubelet restarts an exited container (back-off 1, 2, 4 ... 10 s)."""
+        """restartPolicy Always: the kubelet restarts an exited container (back-off 1, 2, 4 ... 10 s). A
+        LeaderWorkerSet pod's exit recreates its whole group (RecreateGroupOnPodRestart): the group's other
+        pods are deleted (SIGTERM, SIGKILL after 15 s) and all of them start again together."""
         now = time.monotonic()
         for pod in self.pods:
             proc = self.procs[pod.name]
@@ -128,7 +133,33 @@ class Simulation:
                 f"{self.restarts[pod.name]}", flush=True)
             backoff[f"{pod.name}:delay"] = min(2 * backoff.get(f"{pod.name}:delay", 1.0), 10.0)
             del backoff[f"{pod.name}:due"]
+            for mate in self._recreate_group(pod, log):
+                backoff.pop(f"{mate.name}:due", None)
+                self.start_pod(mate)
             self.start_pod(pod)
+
+    def _recreate_group(self, pod: SimPod, log) -> list[SimPod]:
+        """The other pods of an exited LeaderWorkerSet pod's group, stopped (to be started with it)."""
+        if not pod.workload.startswith(f"{render_lws.KIND}/"):
+            return []
+        group = pod.labels.get(render_lws.LABEL_GROUP_INDEX)
+        mates = [p for p in self.pods if p.workload == pod.workload and p.name != pod.name
+                 and p.labels.get(render_lws.LABEL_GROUP_INDEX) == group]
+        log(f"k3serve operator simulate: recreating group {group} of {pod.workload} with "
+            f"{', '.join(p.name for p in mates)}", flush=True)
+        for p in mates:
+            if self.procs[p.name].poll() is None:
+                try:
+                    os.killpg(self.procs[p.name].pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in mates:
+            try:
+                self.procs[p.name].wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.procs[p.name].pid, signal.SIGKILL)
+                self.procs[p.name].wait()
+        return mates
 
     def wait_ready(self, timeout: float, on_tick=None) -> None:
         deadline = time.monotonic() + timeout
@@ -272,11 +303,11 @@ def _port_free(host: str, port: int) -> bool:
 
 def build(cr: dict, *, root: Path, namespace: str | None = None, claims: dict[str, str] | None = None,
           secrets: dict[str, dict[str, str]] | None = None, log=print, ip_base=None,
-          kubeconfig: str | None = None) -> Simulation:
-    """Render `cr` and plan its pods (nothing started)."""
+          kubeconfig: str | None = None, lws: bool = False) -> Simulation:
+    """Render `cr` and plan its pods (nothing started); `lws`: as for a cluster with the LWS CRD."""
     meta = cr.setdefault("metadata", {})
     meta["namespace"] = namespace or meta.get("namespace") or "default"
-    options = RenderOptions(podmonitor=True)
+    options = RenderOptions(podmonitor=True, lws=lws)
     rendered = render(cr, options)
     if rendered.problems:
         raise SimulateError("the CR cannot be served:\n  " + "\n  ".join(rendered.problems))
@@ -413,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
         root.mkdir(parents=True, exist_ok=True)
         kubeconfig = str(root / "kubeconfig") if args.operator else None
         sim = build(cr, root=root, namespace=args.namespace, claims=_parse_pvc(args.pvc),
-                    secrets=_parse_secret(args.secret), kubeconfig=kubeconfig)
+                    secrets=_parse_secret(args.secret), kubeconfig=kubeconfig, lws=args.lws)
     except (OSError, yaml.YAMLError, SimulateError) as e:
         print(f"k3serve operator simulate: {e}", file=sys.stderr)
         return 2
@@ -426,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             sim = build(cr, root=root, namespace=args.namespace, claims=_parse_pvc(args.pvc),
                         secrets=sim.secrets, log=lambda *_a, **_k: None,
-                        ip_base=free_ip_base(len(sim.pods)), kubeconfig=kubeconfig)
+                        ip_base=free_ip_base(len(sim.pods)), kubeconfig=kubeconfig, lws=args.lws)
         except SimulateError as e:
             print(f"k3serve operator simulate: {e}", file=sys.stderr)
             return 2
@@ -441,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
         if private:
             _enter_private_netns()
         if args.operator:  # the API emulator and the operator first: the router discovers pods there
-            cluster = SimulatedCluster(sim.cr, sim.pods, root)
+            cluster = SimulatedCluster(sim.cr, sim.pods, root, lws=args.lws)
             cleanup.append(cluster.stop)
             cluster.start()
         sim.materialize()

@@ -25,7 +25,8 @@ from k3serve.operator import crd
 from k3serve.operator.simulate_plan import SimPod, SimulateError
 
 OPERATOR_NAMESPACE = "k3serve-system"
-WORKLOADS = {"StatefulSet": "apps/v1/statefulsets", "Deployment": "apps/v1/deployments"}
+WORKLOADS = {"StatefulSet": "apps/v1/statefulsets", "Deployment": "apps/v1/deployments",
+             "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1/leaderworkersets"}
 
 
 def _free_port() -> int:
@@ -35,8 +36,8 @@ def _free_port() -> int:
 
 
 class SimulatedCluster:
-    def __init__(self, cr: dict, pods: list[SimPod], root: Path):
-        self.cr, self.pods, self.root = cr, pods, root
+    def __init__(self, cr: dict, pods: list[SimPod], root: Path, lws: bool = False):
+        self.cr, self.pods, self.root, self.lws = cr, pods, root, lws
         self.namespace = cr["metadata"]["namespace"]
         self.name = cr["metadata"]["name"]
         self.emulator = None
@@ -60,7 +61,7 @@ class SimulatedCluster:
             from k3serve.operator.testing.emulator import EmulatorThread
         except ImportError as e:
             raise SimulateError(f"--operator needs the API emulator's packages (kmock: the test extras): {e}") from None
-        self.emulator = EmulatorThread(lws=False, podmonitor=True).__enter__()
+        self.emulator = EmulatorThread(lws=self.lws, podmonitor=True).__enter__()
         kubeconfig = self.emulator.kubeconfig(str(self.root / "kubeconfig"))
         self.metrics_port = _free_port()
         env = dict(os.environ, KUBECONFIG=kubeconfig, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1")
@@ -106,11 +107,19 @@ class SimulatedCluster:
             for obj in self.emulator.objects(resource, self.namespace):
                 name = obj["metadata"]["name"]
                 mine = [p for p in self.pods if p.workload == f"{kind}/{name}"]
-                n_ready = sum(ready[p.name] for p in mine)
-                status = {"replicas": len(mine), "readyReplicas": n_ready, "availableReplicas": n_ready,
+                if kind == "LeaderWorkerSet":  # its replicas are groups: ready when every pod of the group is
+                    groups: dict[str, bool] = {}
+                    for p in mine:
+                        g = p.labels.get("leaderworkerset.sigs.k8s.io/group-index", "")
+                        groups[g] = groups.get(g, True) and ready[p.name]
+                    units, n_ready = len(groups), sum(groups.values())
+                else:
+                    units, n_ready = len(mine), sum(ready[p.name] for p in mine)
+                status = {"replicas": units, "readyReplicas": n_ready, "availableReplicas": n_ready,
                           "observedGeneration": obj["metadata"].get("generation", 1)}
                 if (obj.get("status") or {}).get("readyReplicas") != n_ready:
-                    self._request("PATCH", f"/apis/apps/v1/namespaces/{self.namespace}/{resource.split('/')[-1]}"
+                    group_version, plural = resource.rsplit("/", 1)
+                    self._request("PATCH", f"/apis/{group_version}/namespaces/{self.namespace}/{plural}"
                                   f"/{name}/status", {"status": status}, "application/merge-patch+json")
 
     def status(self) -> dict:

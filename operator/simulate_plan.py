@@ -1,7 +1,7 @@
 """What `k3serve operator simulate` runs: the rendered pods as local processes (pure, no processes here).
 
-From the objects a CR renders (operator/render.py) this computes, per pod of every StatefulSet and
-Deployment, the process Kubernetes would start in its container:
+From the objects a CR renders (operator/render.py) this computes, per pod of every StatefulSet,
+LeaderWorkerSet and Deployment, the process Kubernetes would start in its container:
 
 * pod IPs are loopback addresses (127.100.0.N, one per pod, so every pod keeps its contract ports),
   and a pod's network interface is `lo` (`--kv-transfer-devices` names it);
@@ -18,8 +18,11 @@ Deployment, the process Kubernetes would start in its container:
 * a PodMonitor becomes Prometheus `static_configs` with the target labels the Prometheus operator
   would attach (`namespace`, `pod`, `container`, `endpoint`, `job` and the `podTargetLabels`).
 
+A LeaderWorkerSet becomes the pods its controller would create (operator/render_lws.py controller_pods:
+`NAME-G` leaders, `NAME-G-I` workers, its labels and LWS_* variables) and its headless Service `NAME`.
+
 What is not simulated: scheduling, resources (a CPU request becomes OMP_NUM_THREADS), NetworkPolicies,
-PodDisruptionBudgets, RBAC, LeaderWorkerSets (multi-node groups), the router's `--discovery kubernetes`
+PodDisruptionBudgets, RBAC, the router's `--discovery kubernetes`
 (replaced by static discovery of the pods its selectors match, which is what it would discover;
 with `--operator` the router discovers the pods for real, from the API emulator).
 """
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3serve.operator import names as n
+from k3serve.operator import render_lws
 
 IP_BASE = ipaddress.IPv4Address("127.100.0.1")
 ENTRYPOINT = [sys.executable, "-m", "k3serve.cli"]
@@ -50,7 +54,7 @@ class SimPod:
     name: str
     ip: str
     labels: dict[str, str]
-    workload: str  # "StatefulSet/NAME" or "Deployment/NAME"
+    workload: str  # "StatefulSet/NAME", "LeaderWorkerSet/NAME" or "Deployment/NAME"
     template: dict
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -74,8 +78,13 @@ def pods_of(objects: list[dict], ip_base: ipaddress.IPv4Address = IP_BASE) -> li
     pods: list[SimPod] = []
     for obj in objects:
         kind, name = obj["kind"], obj["metadata"]["name"]
-        if kind == "LeaderWorkerSet":
-            raise SimulateError(f"LeaderWorkerSet/{name}: multi-node groups cannot be simulated on one machine")
+        if kind == render_lws.KIND:  # the LWS controller's pods, leader first, LWS_* env injected
+            for pod in render_lws.controller_pods(obj):
+                if len(pod["template"]["spec"]["containers"]) != 1:
+                    raise SimulateError(f"{kind}/{name}: only one container per pod is simulated")
+                pods.append(SimPod(name=pod["name"], ip=str(ip_base + len(pods)), labels=pod["labels"],
+                                   workload=f"{kind}/{name}", template=pod["template"]))
+            continue
         if kind not in ("StatefulSet", "Deployment"):
             continue
         tpl = obj["spec"]["template"]
@@ -119,16 +128,18 @@ def service_routes(objects: list[dict], pods: list[SimPod], namespace: str, doma
 
         def port_map(pod: SimPod, svc=svc) -> dict[int, int]:
             out = {}
-            for port in svc["spec"]["ports"]:
+            for port in svc["spec"].get("ports") or []:
                 target = port.get("targetPort", port["port"])
                 out[port["port"]] = _container_port(pod, target)
             return out
 
         for dns in (f"{name}.{namespace}.svc.{domain}", f"{name}.{namespace}.svc", f"{name}.{namespace}"):
             routes[dns] = ServiceRoute(backends[0].ip, port_map(backends[0]))
-        if svc["spec"].get("clusterIP") == "None":  # headless: every pod has its own name
+        if svc["spec"].get("clusterIP") == "None":  # headless: every pod has its own name (short forms too)
             for pod in backends:
-                routes[f"{pod.name}.{name}.{namespace}.svc.{domain}"] = ServiceRoute(pod.ip, port_map(pod))
+                for dns in (f"{pod.name}.{name}.{namespace}.svc.{domain}", f"{pod.name}.{name}.{namespace}.svc",
+                            f"{pod.name}.{name}.{namespace}"):
+                    routes[dns] = ServiceRoute(pod.ip, port_map(pod))
     return routes
 
 
@@ -215,7 +226,8 @@ def plan(objects: list[dict], inputs: Inputs, root: Path, ip_base: ipaddress.IPv
         if obj["kind"] == "ConfigMap":
             inputs.config_maps[obj["metadata"]["name"]] = dict(obj.get("data") or {})
     pods = pods_of(objects, ip_base)
-    routes = service_routes(objects, pods, inputs.namespace, inputs.cluster_domain)
+    controller_made = [render_lws.controller_service(o) for o in objects if o["kind"] == render_lws.KIND]
+    routes = service_routes(objects + controller_made, pods, inputs.namespace, inputs.cluster_domain)
     for pod in pods:
         _plan_pod(pod, inputs, routes, root / "pods" / pod.name)
     if kubeconfig is None:

@@ -118,8 +118,8 @@ def test_plan_secrets_and_missing_inputs(tmp_path):
     cr = sample("k3-tep8-dep16.yaml")
     with pytest.raises(SimulateError, match=r"secret 'k3-api-key' does not exist \(give it with --secret"):
         _plan(cr, tmp_path, claims={})
-    with pytest.raises(SimulateError, match="LeaderWorkerSet/k3-decode: multi-node groups cannot be simulated"):
-        _plan(cr, tmp_path, lws=True, claims={}, secrets={"k3-api-key": {"api-key": "x"}})
+    _, pods = _plan(cr, tmp_path, lws=True, claims={}, secrets={"k3-api-key": {"api-key": "x"}})
+    assert {"k3-decode-0", "k3-decode-0-1"} <= {p.name for p in pods}  # LWS pods: tests/test_operator_lws.py
     cr = sample()
     with pytest.raises(SimulateError, match=r"PersistentVolumeClaim 'k3-tiny-model': give a local directory"):
         _plan(cr, tmp_path, claims={})

@@ -1,14 +1,12 @@
 """Hand-written JSON schemas for the third-party custom resources the operator or chart renders.
 
-No Python package carries the LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) or Prometheus-operator
-(monitoring.coreos.com/v1) CRDs, so these cover the fields k3serve uses, written from the projects'
-public API references, strict (unknown fields rejected). Pod templates inside a LeaderWorkerSet are
-validated separately as core PodTemplates by kubernetes-validate.
+No Python package carries the Prometheus-operator (monitoring.coreos.com/v1) CRDs, so these cover the
+fields k3serve uses, written from the project's public API reference, strict (unknown fields rejected).
+(LeaderWorkerSets are validated against the LWS project's own CRD schema: lws_schema.py.)
 """
 
 from __future__ import annotations
 
-_INT_OR_STRING = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+%?$"}]}
 _DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
 _LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
 _LABEL_SELECTOR = {
@@ -60,48 +58,6 @@ def _resource(api_version: str, kind: str, spec: dict) -> dict:
         },
     }
 
-
-LEADER_WORKER_SET = _resource(
-    "leaderworkerset.x-k8s.io/v1",
-    "LeaderWorkerSet",
-    {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["leaderWorkerTemplate"],
-        "properties": {
-            "replicas": {"type": "integer", "minimum": 0},
-            "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
-            "leaderWorkerTemplate": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["workerTemplate"],
-                "properties": {
-                    "size": {"type": "integer", "minimum": 1},
-                    "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "None"]},
-                    "leaderTemplate": {"type": "object"},  # a PodTemplateSpec, validated separately
-                    "workerTemplate": {"type": "object"},
-                },
-            },
-            "rolloutStrategy": {
-                "type": "object",
-                "additionalProperties": False,
-                "properties": {
-                    "type": {"enum": ["RollingUpdate"]},
-                    "rollingUpdateConfiguration": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {"maxUnavailable": _INT_OR_STRING, "maxSurge": _INT_OR_STRING},
-                    },
-                },
-            },
-            "networkConfig": {
-                "type": "object",
-                "additionalProperties": False,
-                "properties": {"subdomainPolicy": {"enum": ["Shared", "UniquePerReplica"]}},
-            },
-        },
-    },
-)
 
 POD_MONITOR = _resource(
     "monitoring.coreos.com/v1",
@@ -160,4 +116,4 @@ SERVICE_MONITOR = _resource(
     },
 )
 
-BY_KIND = {"LeaderWorkerSet": LEADER_WORKER_SET, "PodMonitor": POD_MONITOR, "ServiceMonitor": SERVICE_MONITOR}
+BY_KIND = {"PodMonitor": POD_MONITOR, "ServiceMonitor": SERVICE_MONITOR}

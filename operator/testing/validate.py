@@ -1,9 +1,9 @@
 """Strict validation of any object the operator or chart produces.
 
 Built-in kinds (and the CRD object itself) go to kubernetes-validate in strict mode; a
-KimiK3Deployment goes to its own CRD schema; LeaderWorkerSet / PodMonitor / ServiceMonitor go to the
-hand-written schemas in `schemas.py`, and a LeaderWorkerSet's pod templates to kubernetes-validate as
-core PodTemplates.
+KimiK3Deployment goes to its own CRD schema; a LeaderWorkerSet to the LWS project's CRD schema
+(`lws_schema.py`) and its pod templates to kubernetes-validate as core PodTemplates; PodMonitor /
+ServiceMonitor to the hand-written schemas in `schemas.py`.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ def _schema_errors(obj: dict, schema: dict) -> list[str]:
 def errors(obj: dict, version: str = KUBERNETES_VERSION) -> list[str]:
     """Every reason the object would be rejected; [] when valid."""
     from k3serve.operator import crd, validation
-    from k3serve.operator.testing import schemas
+    from k3serve.operator.testing import lws_schema, schemas
 
     kind = obj.get("kind")
     if kind == crd.KIND:
         return validation.errors(obj)
-    if kind in schemas.BY_KIND:
-        out = _schema_errors(obj, schemas.BY_KIND[kind])
-        if kind == "LeaderWorkerSet" and not out:
+    if kind == "LeaderWorkerSet":  # the CRD's own schema (lws_schema.py), then each pod template as a core one
+        out = lws_schema.errors(obj)
+        if not out:
             lwt = obj["spec"]["leaderWorkerTemplate"]
             for part in ("leaderTemplate", "workerTemplate"):
                 if part in lwt:
@@ -60,4 +60,6 @@ def errors(obj: dict, version: str = KUBERNETES_VERSION) -> list[str]:
                         version,
                     )
         return out
+    if kind in schemas.BY_KIND:
+        return _schema_errors(obj, schemas.BY_KIND[kind])
     return _kv_errors(obj, version)
