@@ -14,6 +14,7 @@ both prefill ranks is free again afterwards.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -25,7 +26,7 @@ import pytest
 from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
-from tests.test_pd_hetero_tp import _decode, _reference_logprobs
+from tests.test_pd_hetero_tp import _decode, _rank_pids, _reference_logprobs
 from tests.test_pd_workers import _W, _start, _wait_ready, prefill_hop
 
 SEED = 10  # random_config(10): 3 KDA + 3 MLA layers, 8 routed experts
@@ -133,3 +134,33 @@ def test_malformed_dp_ranks_in_transfer_metadata_are_refused():
                 resp((2, "e2")), resp((0, "e1")), resp((1, "e1"), tp_size=2)):
         with pytest.raises(IncompatiblePeer):
             dp_endpoints(bad)
+
+
+def test_killed_prefill_rank_exits_the_worker_and_decode_recomputes(pool):
+    """Last in the module: it ends the prefill worker. Parameters of a request whose pages sit on DP rank 1;
+    SIGKILL of that rank makes the worker exit non-zero within 10 s, and the decode worker holding them
+    recomputes (the request is not lost, the tokens are the reference's)."""
+    model, w = pool
+    vocab = random_config(SEED).vocab_size
+    rng = random.Random(SEED + 1)
+    md = w["P"].stub.GetTransferMetadata(pb.TransferMetadataRequest(
+        compatibility_hash=prefill_hop(w["P"], "kill-md", [1, 2, 3], 1).compatibility_hash), timeout=10)
+    on_rank1 = None
+    for attempt in range(3):  # hops sent together spread over both ranks (the front's load rule)
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randint(30, 60))] for _ in range(3)]
+        kvps = _together(lambda i, a=attempt, ps=prompts: prefill_hop(w["P"], f"kill-{a}-{i}", ps[i], 4), 3)
+        hits = [i for i, k in enumerate(kvps) if k.remote_engine_id == md.dp_ranks[0].engine_id]
+        if hits:
+            on_rank1 = prompts[hits[0]], kvps[hits[0]]
+            break
+    assert on_rank1 is not None, "no prefill hop landed on DP rank 1"
+    prompt, kvp = on_rank1
+    want = reference_outputs(model, [prompt], 4)[0]
+    (rank1,) = _rank_pids(w["P"].proc.pid)
+    t0 = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)
+    rc = w["P"].proc.wait(timeout=10)
+    assert rc != 0 and time.monotonic() - t0 < 10
+    toks, _lps, res = _decode(w["D1"], "kill-d", prompt, 4, kvp)
+    assert toks == want and res["outcome"] == "recomputed", res
+    assert res["reason"] in ("transfer_failed", "peer_unreachable", "timeout"), res
