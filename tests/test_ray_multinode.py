@@ -196,6 +196,8 @@ def test_worker_over_the_ray_cluster_exits_when_its_remote_rank_dies(cluster, ti
             toks = [t for r in pb_grpc.WorkerStub(ch).Generate(req, timeout=60) for o in r.outputs
                     for t in o.token_ids]
         assert len(toks) == 3
+        bound = _listeners(_tree(proc.pid))  # the worker: gRPC, metrics, rendezvous, gloo, its Ray driver
+        assert bound and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for _n, a in bound), bound
         victims = _rank_actor_pids(second.all_processes["raylet"][0].process.pid)  # rank 1: the other node
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
