@@ -175,9 +175,19 @@ class Row:
                 med([w - f - g for w, f, g in zip(wall, fwd, draft)])]
 
     def warm_up(self, prompt: list[int]) -> None:
-        from k3serve.sampling_params import SamplingParams
+        """One whole request of the measured shape (on CUDA: every graph of batch 1 captured, the kernels
+        compiled: the decode graph, say, is first needed only near max_tokens, where no lookahead fits), then
+        the fixed-shape path counters are read so the summary counts the measured requests only."""
+        self.llm.generate([prompt], self.sp)
+        self.base_counts = self.path_counts()
 
-        self.llm.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    def path_counts(self) -> dict[str, int]:
+        """Decode steps, verify steps and drafter calls on the fixed-shape (on CUDA: graph) paths so far."""
+        runner = self.llm.engine.runner
+        sv = getattr(runner, "static_verify", None)
+        prop = getattr(self.llm.engine, "proposer", None)
+        return dict(decode=runner.num_static_decode_steps, verify=sv.num_steps if sv is not None else 0,
+                    replays=getattr(prop, "num_replays", 0), eager=getattr(prop, "num_eager", 0))
 
     def _spec_counts(self) -> list[int]:
         st = self.llm.engine.stats()
@@ -296,17 +306,21 @@ def main(argv=None) -> None:
             rows.append([sname, cname, *r.split_rows(sname, cuda)])
     print_table(["set", "config", "steps", "step wall", "verify fwd", "decode fwd", "drafting", "host"], rows)
     print()
+    print("measured requests only (after the warm-up request):")
     for cname, r in engines:  # verify steps, decode steps and drafter calls on the fixed-shape (graph) paths
-        runner = r.llm.engine.runner
-        sv = getattr(runner, "static_verify", None)
+        now, was = r.path_counts(), r.base_counts
+        d = {key: now[key] - was[key] for key in now}
+        decode_steps = sum(1 for x in r.split.values() for s in x if "fwd" in s and not s["verify"]
+                           and s["tokens"] <= 16)
+        sv = getattr(r.llm.engine.runner, "static_verify", None)
         steps = sum(c[0] for c in r.counts.values() if c) if r.spec is not None else 0
-        line = f"{cname}: {runner.num_static_decode_steps} decode steps on the fixed-shape {'graph' if cuda else 'batch'} path"
+        line = (f"{cname}: {d['decode']} of {decode_steps} decode-phase plain decode steps on the fixed-shape "
+                f"{'graph' if cuda else 'batch'} path")
         if r.spec is not None:
-            line += (f"; {sv.num_steps if sv is not None else 0} of ~{steps} verify steps"
+            line += (f"; {d['verify']} of {steps} verify steps"
                      + ("" if sv is None or sv.enabled else " (verify graphs switched off: see the warning)"))
-            prop = r.llm.engine.proposer
-            if hasattr(prop, "num_replays"):
-                line += f"; drafter calls: {prop.num_replays} graph replays, {prop.num_eager} eager"
+            if hasattr(r.llm.engine.proposer, "num_replays"):
+                line += f"; drafter calls: {d['replays']} graph replays, {d['eager']} eager"
         print(line)
 
 
