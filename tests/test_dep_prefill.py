@@ -1,11 +1,12 @@
 """P/D from a DEP prefill pool, for real: `k3serve worker --role prefill --data-parallel-size 2
 --enable-expert-parallel` (each DP rank a whole engine with its own pages, NIXL connector and agent) feeds a
-one-rank decode worker and a DEP2 decode worker over NIXL (UCX over shared memory), driven over gRPC the way
+one-rank decode worker, a DEP2 decode worker and a TP2 decode worker over NIXL (UCX over shared memory), driven over gRPC the way
 the router does (tests/test_pd_workers.py's hops).
 
 A request's transfer parameters name the engine of the DP rank that prefilled it; the prefill worker's one
 handshake lists every DP rank's agent (`dp_ranks`, workers/kv_transfer/dp_group.py), so the decode side reads
-that rank's pages and its notification frees them on that rank. Prefill hops sent together spread over both
+that rank's pages and its notification frees them on that rank (the TP2 decode worker's rank 0 sends it once
+both decode ranks' READs are done: to the agent of the prefill rank that holds the pages). Prefill hops sent together spread over both
 prefill ranks (the front's load rule); decode block 32 = 2 x prefill block 16 (design doc §5.4/§5.5), the
 decode workers' free pages poisoned with 0xFF (NaN) first. Greedy float64 tokens and their log-probabilities
 (to 1e-9) equal the plain reference forward's on a random config and random prompts, and every pinned page of
@@ -29,7 +30,7 @@ from tests._engine_helpers import random_model_dir, reference_outputs
 from tests.test_pd_hetero_tp import _decode, _rank_pids, _reference_logprobs
 from tests.test_pd_workers import _W, _start, _wait_ready, prefill_hop
 
-SEED = 10  # random_config(10): 3 KDA + 3 MLA layers, 8 routed experts
+SEED = 6  # random_config(6): 4 KDA + 2 MLA layers (heads split over 2 TP ranks), 8 routed experts
 DEP = ["--data-parallel-size", "2", "--enable-expert-parallel"]
 POISON = {"K3SERVE_KV_POISON_FREE_PAGES": "1"}
 
@@ -41,7 +42,9 @@ def pool(tmp_path_factory):
                          "--max-num-batched-tokens", "16"),
              "D1": _start(model, "decode", "--block-size", "32", "--kv-transfer-timeout", "5", env_extra=POISON),
              "D2": _start(model, "decode", *DEP, "--block-size", "32", "--kv-transfer-timeout", "5",
-                          env_extra=POISON)}
+                          env_extra=POISON),
+             "D3": _start(model, "decode", "--tensor-parallel-size", "2", "--block-size", "32",
+                          "--kv-transfer-timeout", "5", env_extra=POISON)}
     out = {}
     try:
         for k, p in procs.items():
@@ -80,7 +83,7 @@ def _together(fn, n):
     return res
 
 
-def test_dep2_prefill_to_tp1_and_dep2_decode_equals_reference(pool):
+def test_dep2_prefill_to_tp1_dep2_and_tp2_decode_equals_reference(pool):
     model, w = pool
     vocab = random_config(SEED).vocab_size
     rng = random.Random(SEED)
@@ -88,7 +91,7 @@ def test_dep2_prefill_to_tp1_and_dep2_decode_equals_reference(pool):
     max_new = 5
     want = reference_outputs(model, prompts, max_new)
     engines = set()
-    for dname in ("D1", "D2"):
+    for dname in ("D1", "D2", "D3"):
         kvps = _together(lambda i, d=dname: prefill_hop(w["P"], f"{d}-p{i}", prompts[i], max_new), len(prompts))
         engines |= {k.remote_engine_id for k in kvps}
         assert all(k.tp_size == 1 and k.block_size == 16 for k in kvps)
