@@ -138,6 +138,8 @@ def test_placement_pack_spills_cuda_asks_gpus_and_no_room_is_clear(cluster, monk
             assert ray.util.placement_group_table(p.pg)["bundles"] == {0: {kind: 1.0}, 1: {kind: 1.0}}
         finally:
             ray.util.remove_placement_group(p.pg)
+    packed = ray_launcher.Placement(None, {"CPU": 1.0}, "PACK", ["a", "a", "b", "b", "a"], False)
+    assert [packed.ranks_on_node(r) for r in range(5)] == [3, 3, 2, 2, 3]  # each rank's share of its host
     monkeypatch.setenv(ray_launcher.STRATEGY_ENV, "STRICT_SPREAD")
     monkeypatch.setattr(ray_launcher, "PLACEMENT_TIMEOUT_S", 1.0)
     with pytest.raises(ValueError, match=r"ray: no room for a placement group of 3 one-CPU bundles within 1 s "

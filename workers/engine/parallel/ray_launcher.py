@@ -281,12 +281,20 @@ def start_rank_actors(spec, placement: Placement) -> list[tuple[int, RayRank, Ra
     actor_class = ray.remote(RankActor)
     gpu = "GPU" in placement.bundle
     peers = []
-    for rank in range(1, size):
-        actor = actor_class.options(
-            num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, name=None, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=placement.pg,
-                                                                 placement_group_bundle_index=rank),
-        ).remote(rank, dataclasses.replace(spec, ranks_per_host=placement.ranks_on_node(rank)))
-        handle = RayRank(rank, actor, group)
-        peers.append((rank, handle, handle))
+    try:
+        for rank in range(1, size):
+            actor = actor_class.options(
+                num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, name=None, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=placement.pg,
+                                                                     placement_group_bundle_index=rank),
+            ).remote(rank, dataclasses.replace(spec, ranks_per_host=placement.ranks_on_node(rank)))
+            handle = RayRank(rank, actor, group)
+            peers.append((rank, handle, handle))
+    except BaseException:  # no rank handle will release the group: kill what started, drop the reservation
+        for _rank, handle, _ in peers:
+            handle.kill()
+        ray.util.remove_placement_group(placement.pg)
+        if placement.owns_ray:
+            ray.shutdown()
+        raise
     return peers
