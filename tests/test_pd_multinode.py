@@ -1,7 +1,8 @@
 """P/D with tensor-parallel groups spanning nodes, for real: two "nodes" per group on 127.0.0.1 (the leader
-`k3serve worker --role prefill|decode --tensor-parallel-size 2 --nnodes 2 --node-rank 0` and a separate
-`--node-rank 1` process tree running rank 1, workers/engine/parallel/nodes.py), NIXL (UCX over shared memory)
-between the workers' ranks.
+`k3serve worker --role prefill|decode --tensor-parallel-size T --nnodes 2 --node-rank 0` and a separate
+`--node-rank 1` process tree running the other node's ranks, workers/engine/parallel/nodes.py), NIXL (UCX over
+shared memory) between the workers' ranks: a TP2 prefill group (1 rank per node) and a TP4 decode group
+(2 ranks per node: the leader's rank 1 is a local process, ranks 2 and 3 the other node's).
 
 Each rank, the other node's too, registers its own pages with its own agent and reports its endpoint to the
 leader (JSON over the node's connection); the leader's handshake names every rank, so a decode rank reads
@@ -10,7 +11,8 @@ reports the outcome to rank 0 (workers/kv_transfer/connector.py). Decode block 3
 every decode rank's free pages are poisoned with 0xFF (NaN) first, so a slice not read shows.
 
 Greedy float64 tokens, and their log-probabilities (to 1e-9), equal the plain reference forward's on a random
-config and random prompts: TP2 over 2 nodes -> TP1 decode, and TP2 over 2 nodes -> TP2 over 2 nodes.
+config and random prompts: TP2 over 2 nodes -> TP1 decode, and TP2 over 2 nodes -> TP4 over 2 nodes (each
+decode rank reads half of one prefill rank's KDA heads, k3serve/common/pd_geometry.py).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ SEED = 27  # random_config(27): 3 KDA + 2 MLA layers, 16 routed experts (the pre
 POISON = {"K3SERVE_KV_POISON_FREE_PAGES": "1"}
 
 
-def _group(model, role: str, *extra: str, env_extra=None):
-    """A TP=2 worker over two nodes: (leader _Proc, node _Proc); the leader serves gRPC once both joined."""
+def _group(model, role: str, *extra: str, tp: int = 2, env_extra=None):
+    """A TP=tp worker over two nodes: (leader _Proc, node _Proc); the leader serves gRPC once both joined."""
     port = _free_port()
-    common = ["--model", str(model), "--role", role, "--tensor-parallel-size", "2", "--nnodes", "2",
+    common = ["--model", str(model), "--role", role, "--tensor-parallel-size", str(tp), "--nnodes", "2",
               "--master-port", str(port), "--metrics-port", "0", *extra]
     env = dict(ENV, **(env_extra or {}))
     leader = _Proc(_cli(*common, "--node-rank", "0", "--grpc-port", "0", "--dtype", "float64",
@@ -47,7 +49,7 @@ def _group(model, role: str, *extra: str, env_extra=None):
 def groups(tmp_path_factory):
     model = random_model_dir(tmp_path_factory.mktemp("pd-nodes"), SEED)
     procs = {"P": _group(model, "prefill", "--block-size", "16", "--expert-parallel", "--enable-prefix-caching"),
-             "D": _group(model, "decode", "--block-size", "32", "--kv-transfer-timeout", "5", env_extra=POISON)}
+             "D": _group(model, "decode", "--block-size", "32", "--kv-transfer-timeout", "5", tp=4, env_extra=POISON)}
     one = _Proc(_cli("--model", str(model), "--role", "decode", "--grpc-port", "0", "--metrics-port", "0",
                      "--dtype", "float64", "--max-model-len", "256", "--skip-tokenizer-init", "--block-size", "32",
                      "--kv-transfer-timeout", "5"), env=dict(ENV, **POISON))
@@ -78,7 +80,7 @@ def _all_free(w, timeout_s=10.0) -> bool:
     return False
 
 
-def test_prefill_group_over_two_nodes_feeds_tp1_and_a_two_node_decode_group(groups):
+def test_prefill_group_over_two_nodes_feeds_tp1_and_a_tp4_decode_group_over_two_nodes(groups):
     model, w, procs = groups
     vocab = random_config(SEED).vocab_size
     rng = random.Random(SEED)
@@ -104,7 +106,7 @@ def test_prefill_group_over_two_nodes_feeds_tp1_and_a_two_node_decode_group(grou
             assert res["pulled_tokens"] + res["local_cached_tokens"] == len(prompt) - 1, res
             pulled[dname, i] = res["bytes"]
         assert _all_free(w["P"]), dname
-    # the two-node decode group's result counts both ranks' shares (each holds the replicated MLA pages)
+    # the two-node decode group's result counts all four ranks' shares (each holds the replicated MLA pages)
     assert all(pulled["D", i] > pulled["D1", i] for i in range(len(prompts))), pulled
     assert cached[4] >= 32 and cached[-1] >= 32, cached  # the 2-node prefill group's prefix cache served it
     # one handshake covers the whole group: both ranks' agents, the other node's too
