@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from k3serve.kernels import ops
-from k3serve.workers.model.functional import LayerWeights, acc_dtype, linear, rms_norm
-from k3serve.workers.model.mla import mla_output, mla_project
-from k3serve.workers.model.moe import dense_mlp, moe_forward
+from k3serve.workers.model.functional import LayerWeights, acc_dtype, linear, rope_interleaved
+from k3serve.workers.model.mla import mla_output
+from k3serve.workers.model.moe import moe_forward
 from k3serve.workers.model.ngram_proposer import NgramProposer
 
 
@@ -113,6 +113,19 @@ class MTPProposer:
             else:
                 self.experts.append({n: self.w[m + n] for n in ("w13", "w2")} if m + "w13" in self.w else None)
         self.layer_w = [LayerWeights(self.w, p) for p in prefixes]
+        acc = acc_dtype(dtype)
+        # made once (the engine's forward does the same, workers/engine/k3_forward.py): the router's weights in
+        # the accumulation dtype, the gated MLPs' gate|up projections merged (one GEMM + one fused activation)
+        self.router = [(self.w[p + "block_sparse_moe.gate.weight"].to(acc),
+                        self.w[p + "block_sparse_moe.gate.e_score_correction_bias"].to(acc)
+                        if p + "block_sparse_moe.gate.e_score_correction_bias" in self.w else None)
+                       if p + "block_sparse_moe.gate.weight" in self.w else None for p in prefixes]
+        self.gate_up = {}
+        for p in prefixes:
+            for m in ("mlp.", "block_sparse_moe.shared_experts."):
+                if p + m + "gate_proj.weight" in self.w:
+                    self.gate_up[p + m] = torch.cat([self.w[p + m + "gate_proj.weight"],
+                                                     self.w[p + m + "up_proj.weight"]]).to(dtype)
         hq, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.wkv = [self.w[p + "self_attn.kv_b_proj.weight"].to(dtype).reshape(hq, dn + dv, r) for p in prefixes]
         self.embed = [self._own(L + j, "embed_tokens.weight", "model.embed_tokens.weight") for j in range(n)]
@@ -133,18 +146,35 @@ class MTPProposer:
     # -- the layer ---------------------------------------------------------------------------------
     def _project(self, j: int, h_prev: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor):
         """The layer up to attention for N flat query pairs (h_prev [N, H], next_ids [N], positions [N]):
-        (u, x, q_lat [N, h, r] (q_nope absorbed through kv_b), q_pe [N, h, dr], c_kv [N, r], k_pe [N, dr])."""
+        (u, x, q_lat [N, h, r] (q_nope absorbed through kv_b), q_pe [N, h, dr], c_kv [N, r], k_pe [N, dr]).
+        The norms are ops.rms_norm (one fused kernel on CUDA, as in the engine's forward); the projection is
+        workers/model/mla.py `mla_project`'s."""
         cfg, dtype = self.cfg, self.dtype
         lw = self.layer_w[j]
         eps = cfg.rms_norm_eps
         e = self.embed[j][next_ids].to(dtype)
         e = e.masked_fill((pos == 0)[:, None], 0)
         h_in = h_prev.to(dtype)
-        u = linear(torch.cat([rms_norm(e, lw["enorm.weight"], eps), rms_norm(h_in, lw["hnorm.weight"], eps)], -1),
-                   lw["eh_proj.weight"])
-        x = rms_norm(u, lw["input_layernorm.weight"], eps)
-        q_nope, q_pe, c_kv, k_pe = mla_project(x, lw.sub("self_attn."), cfg, pos)
-        q_lat = torch.einsum("qhd,hdr->qhr", q_nope, self.wkv[j][:, :cfg.qk_nope_head_dim, :])
+        u = linear(torch.cat([ops.rms_norm(e, lw["enorm.weight"], eps), ops.rms_norm(h_in, lw["hnorm.weight"], eps)],
+                             -1), lw["eh_proj.weight"])
+        x = ops.rms_norm(u, lw["input_layernorm.weight"], eps)
+        aw = lw.sub("self_attn.")
+        N = x.shape[0]
+        h, dn, dr, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is not None:
+            q = linear(ops.rms_norm(linear(x, aw["q_a_proj.weight"]), aw["q_a_layernorm.weight"], eps),
+                       aw["q_b_proj.weight"])
+        else:
+            q = linear(x, aw["q_proj.weight"])
+        q = q.view(N, h, dn + dr)
+        q_nope, q_pe = q[..., :dn], q[..., dn:]
+        kv_a = linear(x, aw["kv_a_proj_with_mqa.weight"])
+        c_kv = ops.rms_norm(kv_a[:, :r], aw["kv_a_layernorm.weight"], eps)
+        k_pe = kv_a[:, r:]
+        if not cfg.mla_use_nope and dr > 0:
+            q_pe = rope_interleaved(q_pe, pos, cfg.rope_theta)
+            k_pe = rope_interleaved(k_pe, pos, cfg.rope_theta)
+        q_lat = torch.einsum("qhd,hdr->qhr", q_nope, self.wkv[j][:, :dn, :])
         return u, x, q_lat, q_pe, c_kv, k_pe
 
     def _attend(self, q_lat: torch.Tensor, q_pe: torch.Tensor, keys_c: torch.Tensor, keys_pe: torch.Tensor,
@@ -168,11 +198,11 @@ class MTPProposer:
         aw = lw.sub("self_attn.")
         o = torch.einsum("qhr,hvr->qhv", o_lat, self.wkv[j][:, cfg.qk_nope_head_dim:, :])
         v = u + mla_output(o, x, aw, cfg)
-        y = rms_norm(v, lw["post_attention_layernorm.weight"], eps)
+        y = ops.rms_norm(v, lw["post_attention_layernorm.weight"], eps)
         i = cfg.num_hidden_layers + j
         v = v + (self._moe(j, y, lw.sub("block_sparse_moe.")) if cfg.is_moe_layer(i)
-                 else dense_mlp(y, lw.sub("mlp."), cfg))
-        logits = rms_norm(v, lw["shared_head.norm.weight"], eps) @ self.head[j].T
+                 else self._dense_mlp(y, lw.sub("mlp.")))
+        logits = ops.rms_norm(v, lw["shared_head.norm.weight"], eps) @ self.head[j].T
         return logits.to(acc_dtype(self.dtype)), v
 
     def _layer(self, j: int, h_prev: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
@@ -220,9 +250,9 @@ class MTPProposer:
         if ex is None:
             return moe_forward(x, w, cfg)
         acc = acc_dtype(self.dtype)
-        bias = w["gate.e_score_correction_bias"].to(acc) if "gate.e_score_correction_bias" in w else None
+        gate_w, bias = self.router[j]
         weights, ids = ops.moe_route(
-            linear(x.to(acc), w["gate.weight"].to(acc)), bias, cfg.num_experts_per_token,
+            linear(x.to(acc), gate_w), bias, cfg.num_experts_per_token,
             num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
             renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
             scoring=cfg.router_activation)
@@ -231,11 +261,19 @@ class MTPProposer:
                             situ_linear_beta=cfg.situ_linear_beta, **ex).to(x.dtype)
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
-                r = rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
+                r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
             r = linear(r, w["routed_expert_up_proj.weight"])
         if cfg.num_shared_experts:
-            r = r + dense_mlp(x, w.sub("shared_experts."), cfg)
+            r = r + self._dense_mlp(x, w.sub("shared_experts."))
         return r
+
+    def _dense_mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """workers/model/moe.py `dense_mlp` with the merged gate|up projection and the fused activation."""
+        cfg = self.cfg
+        gu = linear(x, self.gate_up[w.prefix])
+        a = (ops.situ_and_mul(gu, cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ"
+             else ops.silu_and_mul(gu))
+        return linear(a.to(x.dtype), w["down_proj.weight"])
 
     # -- the engine's calls ------------------------------------------------------------------------
     def _cache(self, rid: str) -> _ReqCache:
