@@ -232,3 +232,33 @@ def test_operator_simulate_runs_a_rendered_two_node_dep_group(tmp_path, tiny_mod
     finally:
         offline.engine.close()
     assert got == ref.outputs[0].text
+
+
+def test_dp_wire_round_trips_the_answers_and_never_unpickles():
+    """What a remote DP rank sends: every answer type round-trips exactly; anything else is refused on the
+    rank (TypeError), and a frame that is not dp_wire's (a pickle, garbage, an unknown type code) is a
+    ValueError on the leader, never an object."""
+    import pickle
+
+    import msgpack
+
+    from k3serve.kv_events.types import KVEvent
+    from k3serve.outputs import CompletionOutput, Logprob, RequestOutput
+    from k3serve.workers.engine.parallel import dp_wire
+    from k3serve.workers.kv_transfer.connector import Outcome
+
+    out = RequestOutput("r1", None, [1, 2, 3], [CompletionOutput(0, "", [7, 8], -1.5, [{7: Logprob(-0.5, 1)},
+                        {8: Logprob(-1.0, 2, "x"), 9: Logprob(-2.0, 3)}], "length", None)], True, 16,
+                        {"arrival_time": 1.25}, {"remote_block_ids": [4, 5]})
+    ev = KVEvent("stored", b"\x00\xffhash", None, 1, "kda", 32, 16)
+    step = ("ok", [[out], [ev], None, False], [["r1", Outcome("pulled", "", 12, 4, 4096), 0.01, {"mla": 4096}]])
+    back = dp_wire.decode(dp_wire.encode(step))
+    assert back[0] == "ok" and back[1] == [[out], [ev], None, False]
+    assert back[2] == [["r1", Outcome("pulled", "", 12, 4, 4096), 0.01, {"mla": 4096}]]
+    assert dp_wire.decode(dp_wire.encode(("loaded", {"threads": 2}))) == ("loaded", {"threads": 2})
+    with pytest.raises(TypeError, match="cannot send 'object'"):
+        dp_wire.encode(("ok", object(), []))
+    for frame in (pickle.dumps(("ok", out, [])), b"\xc1garbage", msgpack.packb(["ok", msgpack.ExtType(99, b"")]),
+                  msgpack.packb(["ok", msgpack.ExtType(4, msgpack.packb([1, 2]))]), msgpack.packb({"a": 1})):
+        with pytest.raises(ValueError, match="dp_wire"):
+            dp_wire.decode(frame)

@@ -41,7 +41,7 @@ def _default(obj):
         if type(obj) is cls:
             fields = [getattr(obj, f.name) for f in dataclasses.fields(cls)]
             return msgpack.ExtType(code, msgpack.packb(fields, default=_default, use_bin_type=True))
-    raise TypeError(f"dp_wire: cannot send a {type(obj).__name__} to the leader (not plain data)")
+    raise TypeError(f"dp_wire: cannot send {type(obj).__name__!r} to the leader (not plain data)")
 
 
 def encode(msg) -> bytes:
@@ -64,10 +64,10 @@ def decode(frame: bytes) -> tuple:
     """The leader's read of one frame: (status, value, ...) with the types above rebuilt."""
     try:
         msg = msgpack.unpackb(frame, ext_hook=_ext_hook, raw=False, strict_map_key=False)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - msgpack's own errors (truncated, extra data, ...)
-        raise ValueError(f"dp_wire: unreadable frame ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - ours (a bad type code or field count) or msgpack's (truncated, ...)
+        text = str(e)
+        raise ValueError(text if text.startswith("dp_wire:") else
+                         f"dp_wire: unreadable frame ({type(e).__name__}: {text})") from None
     if not isinstance(msg, list) or not msg or not isinstance(msg[0], str):
         raise ValueError("dp_wire: a frame must be a list starting with its status")
     return tuple(msg)
