@@ -1,7 +1,8 @@
 """Engine decode throughput for the `small` preset next to the memory roofline of the same step.
 
     PYTHONSAFEPATH=1 python benchmarks/decode_roofline.py [--batches 1 8 64] [--prompt 256] [--steps 32]
-        [--modes graphs graphs-cublas eager] [--profile] [--breakdown] [--max-num-batched-tokens 16384]
+        [--modes graphs graphs-s4 graphs-cublas eager] [--profile] [--breakdown] [--max-num-batched-tokens 16384]
+        [--moe-set NAME=VALUE ...]
 
 Makes the `small` checkpoint on the GPU (make_model), measures the device copy bandwidth, then per batch
 size B runs `LLM(..., device="cuda")`: the time of a generate with max_tokens = 1 + steps minus the time of
@@ -16,6 +17,11 @@ per step defaults to 16384 so that the whole batch prefills in one step and ever
 (with the engine's 2048, B=64 requests start decoding while others still prefill: mixed steps, run eagerly).
 `--profile` adds, per batch size, the GPU kernels of one timed generate (µs per decode step) and the host's
 share of a step (wall time per step minus kernel time per step).
+
+`graphs-s4` is `graphs` with the MoE as session 4 left it (kernels/triton/moe.py: `route_blocks` by PyTorch's
+sort/scan/scatter, the decode path's combine by fp32 atomics), so the MoE changes of session 6 show side by side
+in one run. `--moe-set NAME=VALUE` sets a module constant of kernels/triton/moe.py for the other modes (e.g.
+`GEMV_COMBINE=loop`, `AUTO_GEMV_MAX_PAIRS=32`; an int where VALUE parses as one).
 
 `--breakdown` splits a graph-replayed decode step three ways, per batch size: (1) the host's phases of a real
 step, timed by wrapping the engine's own calls (scheduler.schedule, the runner's input preparation, the graph
@@ -192,9 +198,13 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--modes", nargs="+", choices=["graphs", "graphs-cublas", "eager"], default=["graphs", "eager"],
+    ap.add_argument("--modes", nargs="+", choices=["graphs", "graphs-s4", "graphs-cublas", "eager"],
+                    default=["graphs", "eager"],
                     help="decode with captured CUDA graphs and/or eagerly (one generated model for all); "
-                         "graphs-cublas: graphs with every projection on cuBLAS (the skinny GEMM off)")
+                         "graphs-cublas: graphs with every projection on cuBLAS (the skinny GEMM off); graphs-s4: "
+                         "graphs with session 4's MoE routing and combine")
+    ap.add_argument("--moe-set", nargs="+", default=[], metavar="NAME=VALUE",
+                    help="set kernels/triton/moe.py constants for every mode but graphs-s4")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode steps")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
@@ -215,9 +225,21 @@ def main() -> int:
         cfg = make_model(d, "small", device="cuda")
         rows = []
         from k3serve.kernels import triton_ops
+        from k3serve.kernels.triton import moe
 
+        sets = {}
+        for item in args.moe_set:
+            name, eq, value = item.partition("=")
+            if not eq or not hasattr(moe, name):
+                ap.error(f"--moe-set: {item!r} is not NAME=VALUE with NAME a constant of kernels/triton/moe.py")
+            sets[name] = int(value) if value.lstrip("-").isdigit() else value
+        defaults = {name: getattr(moe, name) for name in ("ROUTE_KERNEL", "GEMV_COMBINE", *sets)}
+        s4 = {"ROUTE_KERNEL": False, "GEMV_COMBINE": "atomic"}
         for mode in modes:
             triton_ops.SKINNY_GEMM = mode != "graphs-cublas"
+            for name, value in {**defaults, **(s4 if mode == "graphs-s4" else sets)}.items():
+                setattr(moe, name, value)
+            print(f"# mode {mode}: moe " + ", ".join(f"{n}={getattr(moe, n)!r}" for n in defaults), flush=True)
             llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                       max_model_len=args.prompt + args.steps + 8, enforce_eager=mode == "eager",
                       max_num_batched_tokens=args.max_num_batched_tokens)

@@ -41,7 +41,7 @@ SHAPES = {  # name: (E, topk, DIN, I, DOUT)
 }
 # (label, knobs). First compiles dominate the run time: every distinct (tiles, warps) pair compiles 1-2
 # kernels (~1-3 s each), so keep this list short; `programs` and `variant="auto"` do not recompile. "gemv" rows
-# run only where T * topk <= moe.AUTO_GEMV_MAX_PAIRS (where "auto" takes that path), "dot" rows only above it.
+# run only where T * topk <= moe.AUTO_GEMV_MAX_PAIRS (where "auto" takes that path), "dot" rows from 64 pairs.
 CONFIGS = [
     ("gemv combine=atomic", dict(variant="gemv", combine="atomic")),
     ("gemv combine=loop", dict(variant="gemv", combine="loop")),
@@ -122,8 +122,8 @@ def run_shape(name, Ts, bw, deadline, rows, profile):
         print(f"# {shape}", flush=True)
         route_rows(name, T, k, E, ids, rows)
         for label, knobs in CONFIGS:
-            path = knobs.get("variant")
-            if path in ("gemv", "dot") and (path == "gemv") != (T * k <= moe.AUTO_GEMV_MAX_PAIRS):
+            path, pairs = knobs.get("variant"), T * k
+            if (path == "gemv" and pairs > moe.AUTO_GEMV_MAX_PAIRS) or (path == "dot" and pairs < 64):
                 continue
             if time.time() > deadline:
                 print(f"#   {label}: skipped (budget)", flush=True)

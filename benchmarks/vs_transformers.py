@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per side (best counts)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for both sides (cpu)")
     ap.add_argument("--no-fla", action="store_true", help="transformers without FLA's kernels (exact PyTorch)")
+    ap.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[None], metavar="N",
+                    help="the engine's token budget per step, one engine row per value (default: the engine's "
+                         "default: 16384 on a CUDA device with >= 80 GB, else 2048)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
@@ -176,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         die("--min-len/--max-len: need 1 <= min-len <= max-len")
     if new < 1 or args.repeats < 1:
         die("--new-tokens and --repeats must be positive")
+    budgets = args.max_num_batched_tokens
+    if any(b is not None and b < 1 for b in budgets):
+        die("--max-num-batched-tokens: each value must be positive")
     if gpu and not torch.cuda.is_available():
         die("--device cuda: no CUDA device here")
     if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -208,12 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     rows, bad = [], []
     for n in sizes:
         prompts = make_prompts(n, lo, hi, vocab, args.seed + n)
-        llm = LLM(model_dir, device=args.device, dtype=dtype_name, max_num_seqs=n, max_model_len=max_len,
-                  skip_tokenizer_init=True)
+        llms = [LLM(model_dir, device=args.device, dtype=dtype_name, max_num_seqs=n, max_model_len=max_len,
+                    skip_tokenizer_init=True, max_num_batched_tokens=b) for b in budgets]
         warm = make_prompts(min(n, 2), lo, lo, vocab, args.seed + 1000)
         hf_generate(hf, warm, 2, args.device)
-        engine_generate(llm, warm, 2)
-        t_hf, t_en, c_hf, c_en = [], [], [], []
+        for llm in llms:
+            engine_generate(llm, warm, 2)
+        t_hf, c_hf = [], []
+        t_en, c_en, got = [[] for _ in llms], [[] for _ in llms], [None] * len(llms)
         for _ in range(args.repeats):
             _sync(args.device)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -221,20 +229,22 @@ def main(argv: list[str] | None = None) -> int:
             _sync(args.device)
             t_hf.append(time.perf_counter() - t0)
             c_hf.append(time.process_time() - c0)
-            t0, c0 = time.perf_counter(), time.process_time()
-            got = engine_generate(llm, prompts, new)
-            _sync(args.device)
-            t_en.append(time.perf_counter() - t0)
-            c_en.append(time.process_time() - c0)
-        del llm
-        agree = sum(a == b for a, b in zip(got, want))
-        if exact and agree != n:
-            bad.append(n)
+            for j, llm in enumerate(llms):
+                t0, c0 = time.perf_counter(), time.process_time()
+                got[j] = engine_generate(llm, prompts, new)
+                _sync(args.device)
+                t_en[j].append(time.perf_counter() - t0)
+                c_en[j].append(time.process_time() - c0)
         tok = n * new
-        rows.append([n, sum(map(len, prompts)), tok / min(t_hf), tok / min(t_en), min(t_hf) / min(t_en),
-                     min(c_hf) / min(c_en), f"{agree}/{n}"])
-    print_table(["prompts", "prompt tokens", "transformers tok/s", "engine tok/s", "ratio", "CPU-time ratio",
-                 "greedy agree"], rows)
+        for j, llm in enumerate(llms):
+            agree = sum(a == b for a, b in zip(got[j], want))
+            if exact and agree != n:
+                bad.append(n)
+            rows.append([n, sum(map(len, prompts)), llm.engine.args.max_num_batched_tokens, tok / min(t_hf),
+                         tok / min(t_en[j]), min(t_hf) / min(t_en[j]), min(c_hf) / min(c_en[j]), f"{agree}/{n}"])
+        del llms
+    print_table(["prompts", "prompt tokens", "engine budget", "transformers tok/s", "engine tok/s", "ratio",
+                 "CPU-time ratio", "greedy agree"], rows)
     if bad:
         print(f"vs_transformers: greedy tokens differ from transformers' exact path at batch sizes {bad}",
               file=sys.stderr)
