@@ -253,20 +253,26 @@ def kda_verify(
     checkpoint_seq=None,
     checkpoint_offsets=None,
     checkpoint_slots=None,
+    gate=None,
+    o_norm_weight=None,
+    eps=1e-5,
 ):
     """A KDA layer's short conv, gate and delta rule over a batch of short chunks (speculative verify steps):
-    o [T, H, V] before o_norm. CPU tensors: the token walk of k3serve/kernels/cpu/kda_verify.py; CUDA tensors
-    (or K3SERVE_KERNELS=triton, under TRITON_INTERPRET=1): the Triton kernel of kernels/triton/kda_verify.py,
-    which reads every index on the device (no host sync: verify steps can be graph-captured) where it takes the
-    shapes; otherwise (or with K3SERVE_KERNELS=reference) the contract, `kda_verify_composed`, from this
-    module's conv, gate and chunked ops."""
+    o [T, H, V] before o_norm (compute dtype); with `gate` [T, H*V] and `o_norm_weight` [V] the layer's output
+    rms_norm(o, o_norm_weight) * sigmoid(gate) in qkv's dtype instead (fused into the Triton kernel).
+    CPU tensors: the token walk of k3serve/kernels/cpu/kda_verify.py; CUDA tensors (or K3SERVE_KERNELS=triton,
+    under TRITON_INTERPRET=1): the Triton kernel of kernels/triton/kda_verify.py, which reads every index on
+    the device (no host sync: verify steps can be graph-captured) where it takes the shapes; otherwise (or
+    with K3SERVE_KERNELS=reference) the contract, `kda_verify_composed`, from this module's conv, gate and
+    chunked ops."""
     args = (qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit, state_pool, state_indices,
             cu_seqlens, has_initial_state)
     kw = dict(lower_bound=lower_bound, scale=scale, checkpoint_seq=checkpoint_seq,
               checkpoint_offsets=checkpoint_offsets, checkpoint_slots=checkpoint_slots)
     mode = os.environ.get("K3SERVE_KERNELS", "")
     if not qkv.is_cuda and not mode:
-        return _cpu_kda_verify.kda_verify(*args, **kw)
+        o = _cpu_kda_verify.kda_verify(*args, **kw)
+        return o if gate is None else _norm_gate(o, gate, o_norm_weight, eps, qkv.dtype)
     if (qkv.is_cuda and mode != "reference") or mode == "triton":
         try:
             from .triton import kda_verify as _tkv
@@ -275,9 +281,19 @@ def kda_verify(
                 raise
         else:
             if _tkv.supported(qkv, conv_weight, conv_states, raw_g, state_pool):
-                return _tkv.kda_verify_triton(*args, **kw)
-    return _cpu_kda_verify.kda_verify_composed(*args, **kw, conv=causal_conv1d_varlen, gate=kda_gate,
-                                               chunked=kda_chunked)
+                return _tkv.kda_verify_triton(*args, **kw, gate=gate, o_norm_weight=o_norm_weight, eps=eps)
+    o = _cpu_kda_verify.kda_verify_composed(*args, **kw, conv=causal_conv1d_varlen, gate=kda_gate,
+                                            chunked=kda_chunked)
+    return o if gate is None else _norm_gate(o, gate, o_norm_weight, eps, qkv.dtype)
+
+
+def _norm_gate(o, gate, o_norm_weight, eps, dtype):
+    """kda_verify's `gate` form from o [T, H, V]: rms_norm(o) * sigmoid(gate), as workers/engine/k3_forward.py's
+    KDA layer applies it (in o's compute dtype, then `dtype`)."""
+    if o_norm_weight is None:
+        raise ValueError("kda_verify: gate and o_norm_weight go together")
+    o = rms_norm(o, o_norm_weight.to(o.dtype), eps)
+    return (o * torch.sigmoid(gate.reshape(o.shape).to(o.dtype))).to(dtype)
 
 
 def attn_res(partial, delta, blocks, w_norm, w_q, w_out, n, write_idx, eps, eps_out=None, round_dtype=None):

@@ -14,121 +14,56 @@ import random
 
 import pytest
 import torch
+from _kda_verify_cases import case, check, oracle, run
 from _triton_cpu import skip_on_cuda
 
-from k3serve.kernels import ops, reference
+from k3serve.kernels import ops
 from k3serve.kernels.cpu import kda_verify as kv
 from k3serve.kernels.triton import kda_verify as tkv
 
 pytestmark = skip_on_cuda
 
 
-def _case(rng: random.Random, seed: int, static: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    h, K, V = rng.choice([1, 2, 3]), rng.choice([16, 32]), rng.choice([16, 32])
-    W = rng.choice([2, 3, 4])
-    C = 2 * h * K + h * V
-    B = rng.randint(1, 4)
-    if static:  # workers/engine/spec/static_verify.py: every row T = 1 + k tokens, trailing padding rows
-        T1 = rng.randint(2, kv.MAX_TOKENS)
-        lens = [T1] * B
-    else:
-        lens = [rng.randint(1, kv.MAX_TOKENS) for _ in range(B)]
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    N = cu[-1] + rng.choice([0, 0, 2])  # rows past the last sequence stay zero
-    num_slots = 2 * B + cu[-1] + 2
-    perm = rng.sample(range(num_slots), num_slots)
-    slots = perm[:B]
-    n_real = B
-    if static and B > 1:
-        n_real = rng.randint(1, B - 1)
-        slots[n_real:] = [-1] * (B - n_real)
-    elif B > 1 and rng.random() < 0.4:
-        slots[rng.randrange(B)] = -1
-    init = [rng.random() < 0.8 for _ in range(B)]
-    free = perm[B:]
-    seq, off, dst = [], [], []
-    for b in range(B):
-        if static:
-            if b < n_real:
-                for t in range(1, lens[b]):
-                    seq.append(b), off.append(t), dst.append(free.pop())
-            continue
-        if slots[b] < 0 and rng.random() < 0.5:
-            continue
-        for t in range(1, lens[b] + 1):
-            if rng.random() < 0.6:
-                seq.append(b), off.append(t), dst.append(free.pop())
-    if static:  # padding rows' exports repeat row 0's first one
-        for _ in range((B - n_real) * (lens[0] - 1)):
-            seq.append(0), off.append(1), dst.append(dst[0])
-    else:
-        if seq and rng.random() < 0.5:  # the same export twice
-            seq.append(seq[0]), off.append(off[0]), dst.append(dst[0])
-        live = [b for b in range(B) if slots[b] >= 0]
-        if live and rng.random() < 0.4:  # an export into its own running slot: it wins over the final write
-            b0 = rng.choice(live)
-            seq.append(b0), off.append(rng.randint(1, lens[b0])), dst.append(slots[b0])
-    dt = torch.float32
-    inputs = dict(
-        qkv=torch.randn(N, C, generator=g, dtype=dt),
-        conv_weight=torch.randn(C, 1, W, generator=g, dtype=dt) * 0.5,
-        conv_states=torch.randn(num_slots, C, W - 1, generator=g, dtype=dt),
-        raw_g=torch.randn(N, h, K, generator=g, dtype=dt) * 2.0,
-        A_log=torch.randn(h, generator=g, dtype=dt) * 0.3,
-        dt_bias=torch.randn(h * K, generator=g, dtype=dt),
-        beta_logit=torch.randn(N, h, generator=g, dtype=dt),
-        state_pool=torch.randn(num_slots, h, V, K, generator=g, dtype=dt),
-        state_indices=torch.tensor(slots),
-        cu_seqlens=torch.tensor(cu),
-        has_initial_state=torch.tensor(init) if rng.random() < 0.85 else None,
-    )
-    kw = dict(lower_bound=rng.choice([None, -5.0]), scale=rng.choice([None, K ** -0.5 * 0.9]))
-    if seq:
-        kw.update(checkpoint_seq=torch.tensor(seq), checkpoint_offsets=torch.tensor(off),
-                  checkpoint_slots=torch.tensor(dst))
-    return inputs, kw
-
-
-def _run(fn, inputs, kw, f64=False, **extra):
-    x = {k: (v.clone().double() if f64 and v is not None and v.is_floating_point() else
-             (v.clone() if v is not None else None)) for k, v in inputs.items()}
-    o = fn(*x.values(), **kw, **extra)
-    return o, x["state_pool"], x["conv_states"]
-
-
-def _oracle(inputs, kw):
-    return _run(kv.kda_verify_composed, inputs, kw, f64=True, conv=reference.causal_conv1d_varlen,
-                gate=reference.kda_gate, chunked=reference.kda_chunked)
-
-
-def _check(out, ref, tol):
-    for name, a, b in zip(("o", "state_pool", "conv_states"), out, ref):
-        assert a.shape == b.shape, name
-        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol, msg=name)
-
-
 @pytest.mark.parametrize("seed", range(10))
 def test_triton_kda_verify_equals_token_walk_and_contract(seed):
     rng = random.Random(seed)
-    inputs, kw = _case(rng, seed, static=seed % 3 == 2)
+    inputs, kw = case(rng, seed, static=seed % 3 == 2)
     assert tkv.supported(inputs["qkv"], inputs["conv_weight"], inputs["conv_states"], inputs["raw_g"],
                          inputs["state_pool"])
-    out = _run(tkv.kda_verify_triton, inputs, kw)
+    out = run(tkv.kda_verify_triton, inputs, kw)
     assert out[0].dtype == torch.float32
-    _check(out, _oracle(inputs, kw), 2e-4)
-    _check(out, _run(kv.kda_verify, inputs, kw), 2e-4)  # the CPU token walk on the same float32 inputs
+    check(out, oracle(inputs, kw), 2e-4)
+    check(out, run(kv.kda_verify, inputs, kw), 2e-4)  # the CPU token walk on the same float32 inputs
 
 
 def test_ops_kda_verify_takes_the_kernel_with_triton_kernels(monkeypatch):
     rng = random.Random(11)
-    inputs, kw = _case(rng, 11, static=True)
+    inputs, kw = case(rng, 11, static=True)
     seen = []
     real = tkv.kda_verify_triton
     monkeypatch.setattr(tkv, "kda_verify_triton", lambda *a, **k: seen.append(1) or real(*a, **k))
     monkeypatch.setenv("K3SERVE_KERNELS", "triton")
-    out = _run(ops.kda_verify, inputs, kw)
+    out = run(ops.kda_verify, inputs, kw)
     assert seen == [1]
-    _check(out, _oracle(inputs, kw), 2e-4)
+    check(out, oracle(inputs, kw), 2e-4)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_triton_kda_verify_gated_output_equals_norm_of_contract(seed):
+    """The fused output form (gate + o_norm_weight): rms_norm(o) * sigmoid(gate) of the contract's o."""
+    rng = random.Random(seed)
+    inputs, kw = case(rng, seed, static=True)
+    N, h, _ = inputs["raw_g"].shape
+    V = inputs["state_pool"].shape[2]
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(N, h * V + 3, generator=g)  # a column slice, as the merged projection gives it
+    gate, onw = wide[:, 1:1 + h * V], torch.rand(V, generator=g) + 0.5
+    out = run(tkv.kda_verify_triton, inputs, kw, gate=gate, o_norm_weight=onw, eps=1e-5)
+    ref = oracle(inputs, kw)
+    o = ref[0]
+    want = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + 1e-5) * onw.double() * torch.sigmoid(
+        gate.double().reshape(N, h, V))
+    assert out[0].dtype == inputs["qkv"].dtype
+    check(out, (want, ref[1], ref[2]), 2e-4)
+    fast = run(ops.kda_verify, inputs, kw, gate=gate, o_norm_weight=onw, eps=1e-5)  # the CPU walk + ops' norm
+    check(fast, (want, ref[1], ref[2]), 2e-4)

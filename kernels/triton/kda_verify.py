@@ -70,10 +70,10 @@ def _conv_window_store(dst_ptr, x_ptr, x_stride, hist, ch, t0, j, W: tl.constexp
 @triton.jit(do_not_specialize=["H", "NCK"])
 def _kda_verify_kernel(
     qkv_ptr, cw_ptr, cs_ptr, rg_ptr, alog_ptr, dtb_ptr, bl_ptr, pool_ptr, slot_ptr, init_ptr, cu_ptr,
-    cks_ptr, cko_ptr, ckl_ptr, out_ptr,
-    qkv_stride, cs_stride, pool_stride, bl_stride, scale, lower_bound, H, NCK,
+    cks_ptr, cko_ptr, ckl_ptr, gate_ptr, onw_ptr, out_ptr,
+    qkv_stride, cs_stride, pool_stride, bl_stride, gt_stride, scale, lower_bound, eps, H, NCK,
     K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WB: tl.constexpr, HAS_INIT: tl.constexpr,
-    HAS_LB: tl.constexpr, BCK: tl.constexpr,
+    HAS_LB: tl.constexpr, BCK: tl.constexpr, NORM_GATE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -100,6 +100,8 @@ def _kda_verify_kernel(
         S = tl.load(pool_ptr + slot * pool_stride + pool_off, mask=init != 0, other=0.0).to(tl.float32)
         a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h * K + rk).to(tl.float32)
+        if NORM_GATE:
+            onw = tl.load(onw_ptr + rv).to(tl.float32)
         own_ck = slot * 0  # an export of this sequence went to its own slot: it replaces the final write
         for t in range(0, L):
             q = _conv_token(qkv_ptr, qkv_stride, cw_ptr, hq, qch, t0, t, W, WB)
@@ -118,7 +120,10 @@ def _kda_verify_kernel(
             u = beta * (v - tl.sum(S * k[None, :], axis=1))
             S = S + u[:, None] * k[None, :]
             o = tl.sum(S * q[None, :], axis=1)
-            tl.store(out_ptr + (row * H + h) * V + rv, o)
+            if NORM_GATE:  # the layer's gated RMSNorm over V, as kda_decode's output
+                gt = tl.load(gate_ptr + row * gt_stride + h * V + rv).to(tl.float32)
+                o = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + eps) * onw * tl.sigmoid(gt)
+            tl.store(out_ptr + (row * H + h) * V + rv, o.to(out_ptr.dtype.element_ty))
             # exports of (this sequence, offset t + 1), in the order of the triples
             for c0 in range(0, NCK, BCK):
                 jj = c0 + tl.arange(0, BCK)
@@ -157,8 +162,11 @@ def supported(qkv, conv_weight, conv_states, raw_g, state_pool) -> bool:
 
 def kda_verify_triton(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit, state_pool, state_indices,
                       cu_seqlens, has_initial_state, *, lower_bound=None, scale=None, checkpoint_seq=None,
-                      checkpoint_offsets=None, checkpoint_slots=None, num_warps=None):
-    """Triton implementation of `cpu.kda_verify.kda_verify` (same arguments; o [T, H, V] fp32)."""
+                      checkpoint_offsets=None, checkpoint_slots=None, gate=None, o_norm_weight=None, eps=1e-5,
+                      num_warps=None):
+    """Triton implementation of `cpu.kda_verify.kda_verify` (same arguments; o [T, H, V] fp32). With `gate`
+    [T, H*V] and `o_norm_weight` [V]: the layer's output RMSNorm(o) * o_norm_weight * sigmoid(gate) in qkv's
+    dtype instead (fused per token, as kernels/triton/kda_decode.py; ops.kda_verify's `gate` form)."""
     N, H, K = raw_g.shape
     V = state_pool.shape[2]
     C = 2 * H * K + H * V
@@ -174,7 +182,10 @@ def kda_verify_triton(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta
     given = [t is not None for t in (checkpoint_seq, checkpoint_offsets, checkpoint_slots)]
     if any(given) and not all(given):
         raise ValueError("checkpoint_seq, checkpoint_offsets and checkpoint_slots go together")
-    out = torch.zeros(N, H, V, dtype=torch.float32, device=qkv.device)
+    norm_gate = gate is not None
+    if norm_gate != (o_norm_weight is not None):
+        raise ValueError("kda_verify: gate and o_norm_weight go together")
+    out = torch.zeros(N, H, V, dtype=qkv.dtype if norm_gate else torch.float32, device=qkv.device)
     B = cu_seqlens.shape[0] - 1
     if N == 0 or B <= 0:
         return out
@@ -190,12 +201,19 @@ def kda_verify_triton(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta
         nck = 0
     bl = beta_logit.reshape(N, H)
     bl = bl if bl.stride(-1) == 1 or H == 1 else bl.contiguous()
+    if norm_gate:
+        gt = gate.reshape(N, H * V)
+        gt = gt if gt.stride(-1) == 1 else gt.contiguous()
+        onw = o_norm_weight.contiguous()
+    else:
+        gt = onw = bl
     _kda_verify_kernel[(B, H)](
         qkv, cw, conv_states, raw_g.contiguous(), A_log.contiguous(), dt_bias.contiguous(), bl, state_pool,
-        slots, init if init is not None else slots, cu_seqlens, cks, cko, ckl, out,
-        qkv.stride(0), conv_states.stride(0), state_pool.stride(0), bl.stride(0),
-        K ** -0.5 if scale is None else float(scale), 0.0 if lower_bound is None else float(lower_bound), H, nck,
+        slots, init if init is not None else slots, cu_seqlens, cks, cko, ckl, gt, onw, out,
+        qkv.stride(0), conv_states.stride(0), state_pool.stride(0), bl.stride(0), gt.stride(0),
+        K ** -0.5 if scale is None else float(scale), 0.0 if lower_bound is None else float(lower_bound),
+        float(eps), H, nck,
         K=K, V=V, W=W, WB=next_pow2(W), HAS_INIT=init is not None, HAS_LB=lower_bound is not None,
-        BCK=min(64, next_pow2(max(nck, 1))), num_warps=num_warps or (8 if K * V >= 128 * 64 else 4),
+        BCK=min(64, next_pow2(max(nck, 1))), NORM_GATE=norm_gate, num_warps=num_warps or (8 if K * V >= 128 * 64 else 4),
     )  # fmt: skip
     return out

@@ -25,3 +25,6 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] rows whose logits are needed
     is_decode: bool = False  # one token per sequence and no checkpoints: the fused decode path applies
     spec: object | None = None  # a verify step's workers/engine/spec/rollback.py SpecBatch (None: none)
+    # host copy of the longest sequence's token count in this step (None: unknown); ops route on it without
+    # reading cu_seqlens back from the device (workers/engine/k3_forward.py `_short_rows`)
+    max_query_len: int | None = None

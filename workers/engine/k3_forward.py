@@ -130,15 +130,19 @@ class K3ForwardModel:
                                b.state_indices[gi], b.has_initial_state, lower_bound=cfg.gate_lower_bound,
                                scale=d ** -0.5, eps=cfg.rms_norm_eps)
             return linear(y.reshape(T, P), w["o_proj.weight"], x.dtype)
+        if (b.spec is None or b.spec.kda_mix is None) and self._short_rows(b):
+            # every sequence a few tokens (verify chunks, decodes): conv + gate + the delta rule token by token,
+            # checkpoint exports from the per-token states, not the chunked form, and the gated output norm
+            # (kernels/cpu/kda_verify.py; on CUDA one launch of kernels/triton/kda_verify.py, which reads every
+            # index on the device and qkv / beta / gate in place: a capturable step)
+            y = ops.kda_verify(qkv, self.conv_w[i], self.kv.conv_view(j), raw_g, w["A_log"], w["dt_bias"], b_logit,
+                               self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens, b.has_initial_state,
+                               lower_bound=cfg.gate_lower_bound, scale=d ** -0.5, **self._ckpt(b, gi), gate=gate,
+                               o_norm_weight=self.acc_w[w.prefix + "o_norm.weight"], eps=cfg.rms_norm_eps)
+            return linear(y.reshape(T, P), w["o_proj.weight"])
         qkv, gate = qkv.contiguous(), gate.contiguous()
         if b.spec is not None and b.spec.kda_mix is not None:  # a rollback scheme's verify (spec/rollback.py)
             o = b.spec.kda_mix(self, i, j, gi, qkv, raw_g, b_logit, b)
-        elif not qkv.is_cuda and self._short_rows(b):
-            # every sequence a few tokens (verify chunks, decodes): conv + gate + the delta rule token by token,
-            # checkpoint exports from the per-token states (kernels/cpu/kda_verify.py), not the chunked form
-            o = ops.kda_verify(qkv, self.conv_w[i], self.kv.conv_view(j), raw_g, w["A_log"], w["dt_bias"], b_logit,
-                               self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens, b.has_initial_state,
-                               lower_bound=cfg.gate_lower_bound, scale=d ** -0.5, **self._ckpt(b, gi))
         else:
             ck = self._ckpt(b, gi)
             qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
@@ -154,9 +158,17 @@ class K3ForwardModel:
 
     @staticmethod
     def _short_rows(b: ForwardBatch) -> bool:
-        """Every sequence of the batch at most ops' KDA_VERIFY_MAX_TOKENS tokens (kernels/cpu/kda_verify.py)."""
+        """Every sequence of the batch at most ops' KDA_VERIFY_MAX_TOKENS tokens (kernels/cpu/kda_verify.py).
+
+        From the batch's host field `max_query_len` (no device read: a CUDA step stays free of host syncs);
+        a batch built without it falls back to reading cu_seqlens."""
         cu = b.cu_seqlens
-        return cu.numel() > 1 and int((cu[1:] - cu[:-1]).max()) <= ops.KDA_VERIFY_MAX_TOKENS
+        if cu.numel() <= 1:
+            return False
+        n = b.max_query_len
+        if n is None:
+            n = int((cu[1:] - cu[:-1]).max())
+        return 1 <= n <= ops.KDA_VERIFY_MAX_TOKENS
 
     @staticmethod
     def _ckpt(b: ForwardBatch, gi: int) -> dict:

@@ -225,7 +225,7 @@ class InputPreparer:
         d = self._decode.send(turn, size)
         return ForwardBatch(d["input_ids"], d["positions"], d["cu_seqlens"], d["seq_lens"], list(d["block_tables"]),
                             list(d["slot_mapping"]), list(d["state_indices"]), d["has_initial_state"], None, None,
-                            None, d["logits_indices"], is_decode=True)
+                            None, d["logits_indices"], is_decode=True, max_query_len=1)
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         chunks = sched.chunks
@@ -297,7 +297,7 @@ class InputPreparer:
             ckpt = (None, None, None)
         return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
                             has_init, ckpt[0], ckpt[1], ckpt[2], logits_idx,
-                            is_decode=T == nseq and not ck_seq)
+                            is_decode=T == nseq and not ck_seq, max_query_len=int(qlens.max()) if nseq else 0)
 
 
 class ModelRunner:
