@@ -1,8 +1,8 @@
 """Engine decode throughput for the `small` preset next to the memory roofline of the same step.
 
     PYTHONSAFEPATH=1 python benchmarks/decode_roofline.py [--batches 1 8 64] [--prompt 256] [--steps 32]
-        [--modes graphs graphs-s4 graphs-cublas eager] [--profile] [--breakdown] [--max-num-batched-tokens 16384]
-        [--moe-set NAME=VALUE ...]
+        [--modes graphs graphs-s4 graphs:NAME=VALUE,... graphs-cublas eager] [--profile] [--breakdown]
+        [--max-num-batched-tokens 16384]
 
 Makes the `small` checkpoint on the GPU (make_model), measures the device copy bandwidth, then per batch
 size B runs `LLM(..., device="cuda")`: the time of a generate with max_tokens = 1 + steps minus the time of
@@ -20,8 +20,9 @@ share of a step (wall time per step minus kernel time per step).
 
 `graphs-s4` is `graphs` with the MoE as session 4 left it (kernels/triton/moe.py: `route_blocks` by PyTorch's
 sort/scan/scatter, the decode path's combine by fp32 atomics), so the MoE changes of session 6 show side by side
-in one run. `--moe-set NAME=VALUE` sets a module constant of kernels/triton/moe.py for the other modes (e.g.
-`GEMV_COMBINE=loop`, `AUTO_GEMV_MAX_PAIRS=32`; an int where VALUE parses as one).
+in one run. `graphs:NAME=VALUE,...` is `graphs` with module constants of kernels/triton/moe.py set (e.g.
+`graphs:GEMV_COMBINE=atomic`, `graphs:AUTO_GEMV_MAX_PAIRS=32`; an int where VALUE parses as one); `--breakdown`
+skips those modes.
 
 `--breakdown` splits a graph-replayed decode step three ways, per batch size: (1) the host's phases of a real
 step, timed by wrapping the engine's own calls (scheduler.schedule, the runner's input preparation, the graph
@@ -193,18 +194,33 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float, top_kernels
         print(f"#   {t / 5:8.1f} µs  x{c / 5:5.1f}  {name[:100]}")
 
 
+def mode_sets(ap, mode: str, moe) -> dict:
+    """The kernels/triton/moe.py constants a --modes entry sets (see the module docstring)."""
+    if mode == "graphs-s4":
+        return {"ROUTE_KERNEL": False, "GEMV_COMBINE": "atomic"}
+    if mode in ("graphs", "graphs-cublas", "eager"):
+        return {}
+    base, colon, items = mode.partition(":")
+    out = {}
+    for item in items.split(",") if base == "graphs" and colon else [""]:
+        name, eq, value = item.partition("=")
+        if not eq or not name.isupper() or not hasattr(moe, name):
+            ap.error(f"--modes: {mode!r} is not graphs, eager, graphs-cublas, graphs-s4 or graphs:NAME=VALUE,... "
+                     "with NAME a constant of kernels/triton/moe.py")
+        out[name] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--modes", nargs="+", choices=["graphs", "graphs-s4", "graphs-cublas", "eager"],
-                    default=["graphs", "eager"],
-                    help="decode with captured CUDA graphs and/or eagerly (one generated model for all); "
-                         "graphs-cublas: graphs with every projection on cuBLAS (the skinny GEMM off); graphs-s4: "
-                         "graphs with session 4's MoE routing and combine")
-    ap.add_argument("--moe-set", nargs="+", default=[], metavar="NAME=VALUE",
-                    help="set kernels/triton/moe.py constants for every mode but graphs-s4")
+    ap.add_argument("--modes", nargs="+", default=["graphs", "eager"],
+                    help="decode with captured CUDA graphs and/or eagerly (one generated model for all): graphs, "
+                         "eager, graphs-cublas (graphs with every projection on cuBLAS: the skinny GEMM off), "
+                         "graphs-s4 (graphs with session 4's MoE routing and combine), graphs:NAME=VALUE,... "
+                         "(graphs with constants of kernels/triton/moe.py set)")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode steps")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
@@ -227,17 +243,12 @@ def main() -> int:
         from k3serve.kernels import triton_ops
         from k3serve.kernels.triton import moe
 
-        sets = {}
-        for item in args.moe_set:
-            name, eq, value = item.partition("=")
-            if not eq or not hasattr(moe, name):
-                ap.error(f"--moe-set: {item!r} is not NAME=VALUE with NAME a constant of kernels/triton/moe.py")
-            sets[name] = int(value) if value.lstrip("-").isdigit() else value
-        defaults = {name: getattr(moe, name) for name in ("ROUTE_KERNEL", "GEMV_COMBINE", *sets)}
-        s4 = {"ROUTE_KERNEL": False, "GEMV_COMBINE": "atomic"}
+        sets = {mode: mode_sets(ap, mode, moe) for mode in modes}
+        defaults = {name: getattr(moe, name) for name in ("ROUTE_KERNEL", "GEMV_COMBINE", "AUTO_GEMV_MAX_PAIRS",
+                                                          *(n for v in sets.values() for n in v))}
         for mode in modes:
             triton_ops.SKINNY_GEMM = mode != "graphs-cublas"
-            for name, value in {**defaults, **(s4 if mode == "graphs-s4" else sets)}.items():
+            for name, value in {**defaults, **sets[mode]}.items():
                 setattr(moe, name, value)
             print(f"# mode {mode}: moe " + ", ".join(f"{n}={getattr(moe, n)!r}" for n in defaults), flush=True)
             llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
@@ -263,7 +274,7 @@ def main() -> int:
                 rows.append((mode, B, tok_s, roof))
                 print(f"# {mode} B={B}: {1e3 * dec / args.steps:.2f} ms per decode step "
                       f"(graph replays so far {llm.engine.runner.num_static_decode_steps})", flush=True)
-                if args.breakdown and mode != "eager":
+                if args.breakdown and mode != "eager" and ":" not in mode:
                     breakdown(llm, prompts, spn, B, args.steps, 1e6 * dec / args.steps)
                 if args.profile and mode == modes[0]:
                     k_pre = kernel_breakdown(f"B={B} prefill only", lambda p=prompts, s=sp1, e=llm: e.generate(p, s), 1,
