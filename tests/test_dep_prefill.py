@@ -28,7 +28,7 @@ from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
 from tests.test_pd_hetero_tp import _decode, _rank_pids, _reference_logprobs
-from tests.test_pd_workers import _W, _start, _wait_ready, prefill_hop
+from tests.test_pd_workers import _W, _sp, _start, _wait_ready, prefill_hop
 
 SEED = 6  # random_config(6): 4 KDA + 2 MLA layers (heads split over 2 TP ranks), 8 routed experts
 DEP = ["--data-parallel-size", "2", "--enable-expert-parallel"]
@@ -83,6 +83,17 @@ def _together(fn, n):
     return res
 
 
+def _hop(w, rid, prompt, max_new):
+    """prefill_hop's transfer parameters and the prefill worker's prefix-cache hit (cached_tokens)."""
+    resps = list(w.stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                                    sampling_params=_sp(max_new),
+                                                    kv_transfer_params=pb.KvTransferParams(do_remote_decode=True)),
+                                 timeout=120))
+    assert len(resps) == 1 and resps[0].finished and resps[0].HasField("kv_transfer_params")
+    assert resps[0].kv_transfer_params.remote_num_tokens == len(prompt) - 1
+    return resps[0].kv_transfer_params, resps[0].cached_tokens
+
+
 def test_dep2_prefill_to_tp1_dep2_and_tp2_decode_equals_reference(pool):
     model, w = pool
     vocab = random_config(SEED).vocab_size
@@ -90,9 +101,11 @@ def test_dep2_prefill_to_tp1_dep2_and_tp2_decode_equals_reference(pool):
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(20, 70))] for _ in range(4)]
     max_new = 5
     want = reference_outputs(model, prompts, max_new)
-    engines = set()
+    engines, cached = set(), {}
     for dname in ("D1", "D2", "D3"):
-        kvps = _together(lambda i, d=dname: prefill_hop(w["P"], f"{d}-p{i}", prompts[i], max_new), len(prompts))
+        hops = _together(lambda i, d=dname: _hop(w["P"], f"{d}-p{i}", prompts[i], max_new), len(prompts))
+        kvps = [k for k, _c in hops]
+        cached[dname] = [c for _k, c in hops]
         engines |= {k.remote_engine_id for k in kvps}
         assert all(k.tp_size == 1 and k.block_size == 16 for k in kvps)
         got = _together(lambda i, d=dname, k=kvps: _decode(w[d], f"{d}-d{i}", prompts[i], max_new, k[i]),
@@ -103,6 +116,10 @@ def test_dep2_prefill_to_tp1_dep2_and_tp2_decode_equals_reference(pool):
             assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-9, (dname, i, lps, ref)
             assert res["outcome"] == "pulled" and res["bytes"] > 0, (dname, i, res)
             assert res["pulled_tokens"] + res["local_cached_tokens"] == len(prompts[i]) - 1, (dname, i, res)
+    # the same prompts again: a hop goes to the rank that cached it unless that rank is busier than the hit is
+    # worth (the front's rule; these hops arrive together), so each later round has prefix-cache hits
+    assert cached["D1"] == [0] * len(prompts), cached
+    assert max(cached["D2"]) >= 16 and max(cached["D3"]) >= 16, cached
     # the prefill hops landed on both DP ranks (their engines), and one handshake names both ranks' agents
     assert len(engines) == 2, engines
     resp = w["P"].stub.GetTransferMetadata(pb.TransferMetadataRequest(compatibility_hash=kvps[0].compatibility_hash),
