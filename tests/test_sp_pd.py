@@ -5,8 +5,9 @@ caches are TP's, each rank's KDA head slice in its own pages) feeds, over NIXL (
 
 * a one-rank decode worker WITH speculation (MTP, 3 draft tokens): the production shape, a TEP prefill pool
   and a speculating decode pool (speculation-only state is outside the pages NIXL exchanges), and
-* a TEP+SP decode worker (each decode rank pulls its own share; its small decode steps run the replicated TP
-  step, seq_parallel.py).
+* a DEP2 decode worker (`--data-parallel-size 2 --enable-expert-parallel`: the mission's TEP prefill -> DEP
+  decode shape; each decode rank, attention TP=1, pulls its own requests' pages, MLA from prefill rank 0 and
+  each prefill rank's KDA head slice into its offset of the rank's page, k3serve/common/pd_geometry.py).
 
 Decode block 32 = 2 x prefill block 16; the decode workers' free pages are poisoned with 0xFF (NaN) first.
 Greedy float64 tokens equal the plain reference forward's on a random config (with an MTP layer) and random
@@ -28,6 +29,7 @@ import pytest
 
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
+from tests.test_dep_prefill import _together
 from tests.test_pd_hetero_tp import _decode, _reference_logprobs
 from tests.test_pd_workers import _W, _metric, _start, _wait_ready, decode_hop, prefill_hop
 
@@ -44,8 +46,8 @@ def pool(tmp_path_factory):
                          "--max-num-batched-tokens", "32"),
              "DS": _start(model, "decode", "--block-size", "32", "--kv-transfer-timeout", "5",
                           "--speculative-config", SPEC, env_extra=POISON),
-             "D2": _start(model, "decode", *SP, "--block-size", "32", "--kv-transfer-timeout", "5",
-                          env_extra=POISON)}
+             "D2": _start(model, "decode", "--data-parallel-size", "2", "--enable-expert-parallel", "--block-size",
+                          "32", "--kv-transfer-timeout", "5", env_extra=POISON)}
     out = {}
     try:
         for k, p in procs.items():
@@ -64,7 +66,7 @@ def pool(tmp_path_factory):
                 p.kill()
 
 
-def test_sp_prefill_to_speculating_and_sp_decode_equals_reference(pool):
+def test_sp_prefill_to_speculating_and_dep_decode_equals_reference(pool):
     model, w = pool
     vocab = random_config(SEED).vocab_size
     rng = random.Random(SEED)
@@ -82,9 +84,12 @@ def test_sp_prefill_to_speculating_and_sp_decode_equals_reference(pool):
         ref = _reference_logprobs(model, prompt, toks)
         assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-9, (i, lps, ref)
         assert res["outcome"] == "pulled" and res["pulled_tokens"] == len(prompt) - 1, (i, res)
-        toks, res = decode_hop(w["D2"], f"d2-d{i}", prompt, max_new, prefill_hop(w["P"], f"d2-p{i}", prompt, max_new))
+    # into the DEP2 decode worker: the decode hops sent together, so both decode ranks pull
+    kvps = [prefill_hop(w["P"], f"d2-p{i}", prompt, max_new) for i, prompt in enumerate(prompts)]
+    got = _together(lambda i: decode_hop(w["D2"], f"d2-d{i}", prompts[i], max_new, kvps[i]), len(prompts))
+    for i, (toks, res) in enumerate(got):
         assert toks == want[i], (i, res)
-        assert res["outcome"] == "pulled" and res["pulled_tokens"] == len(prompt) - 1, (i, res)
+        assert res["outcome"] == "pulled" and res["pulled_tokens"] == len(prompts[i]) - 1, (i, res)
     text = httpx.get(w["DS"].murl + "/metrics", timeout=10).text
     assert _metric(text, "vllm:spec_decode_num_drafts_total") > 0  # the decode side did speculate
     assert _metric(httpx.get(w["P"].murl + "/metrics", timeout=10).text, "vllm:prefix_cache_hits_total") > 0
