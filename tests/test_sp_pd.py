@@ -18,11 +18,10 @@ refused with one line before any rank starts (not implemented: the drafter and t
 from __future__ import annotations
 
 import json
-import os
+import multiprocessing as mp
 import random
 import signal
 import subprocess
-import sys
 
 import httpx
 import pytest
@@ -95,12 +94,14 @@ def test_sp_prefill_to_speculating_and_dep_decode_equals_reference(pool):
     assert _metric(httpx.get(w["P"].murl + "/metrics", timeout=10).text, "vllm:prefix_cache_hits_total") > 0
 
 
-def test_speculation_with_sequence_parallelism_is_refused_in_one_line(tmp_path_factory):
+def test_speculation_with_sequence_parallelism_is_refused_before_any_rank_starts(tmp_path_factory):
+    """The engine's one-line refusal (the worker prints it as `k3serve: error: ...`, exit 1), raised while
+    checking the arguments: no rank process is spawned."""
+    from k3serve.workers.llm import LLM
+
     model = random_model_dir(tmp_path_factory.mktemp("sp-pd"), SEED)
-    p = subprocess.run([sys.executable, "-m", "k3serve.cli", "worker", "--model", str(model), "--grpc-port", "0",
-                        "--metrics-port", "0", "--skip-tokenizer-init", "--dtype", "float64", *SP,
-                        "--speculative-config", SPEC], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONSAFEPATH="1"))
-    out = (p.stdout + p.stderr).strip()
-    assert p.returncode == 1 and len(out.splitlines()) == 1, out
-    assert out == "k3serve: error: speculative_config: not implemented with tensor_parallel_size > 1", out
+    before = set(mp.active_children())
+    with pytest.raises(ValueError, match=r"^speculative_config: not implemented with tensor_parallel_size > 1$"):
+        LLM(str(model), dtype="float64", skip_tokenizer_init=True, tensor_parallel_size=2, enable_expert_parallel=True,
+            enable_sequence_parallel=True, speculative_config=json.loads(SPEC))
+    assert set(mp.active_children()) == before
