@@ -280,9 +280,10 @@ def test_rank_exits_when_its_leader_is_killed(tmp_path_factory):
 
 def test_dep_benchmark_prints_both_and_agrees():
     bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "dep_decode.py")
-    proc = subprocess.run([sys.executable, bench, "--requests", "2", "--tokens", "3", "--ranks", "2"],
+    proc = subprocess.run([sys.executable, bench, "--requests", "2", "--tokens", "3", "--ranks", "2", "--two-node"],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONSAFEPATH="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
-    assert set(rows) == {"1", "DEP2"} and "ratio vs 1 rank" in proc.stdout
-    assert rows["DEP2"][-1] == "True" and float(rows["DEP2"][4]) > 0  # greedy agrees; the a2a bytes are counted
+    rows = {line[:10].strip(): line[10:].split() for line in proc.stdout.splitlines()[2:]}
+    assert set(rows) == {"1 rank", "DEP2", "DEP2 2x1"} and "ratio vs 1 rank" in proc.stdout
+    for name in ("DEP2", "DEP2 2x1"):  # one node, and over 2 nodes: greedy agrees; the a2a bytes are counted
+        assert rows[name][-1] == "True" and float(rows[name][3]) > 0, proc.stdout
