@@ -18,6 +18,7 @@
     dp_engine.py the DEP group: check_dp_layout, each rank a whole engine (DEPModelRunner: one forward pass
                  per step, a dummy one when idle), the spawned ranks' message loop
     dp_front.py  DPEngine: the group as one engine (spreading by load and prefix hit, KV-event merging)
+    dp_wire.py   what a DEP rank on another node answers the leader: msgpack with explicit encoders, no pickle
 
 The single-rank engine does not import this package (workers/engine/llm_engine.py imports it only when
 tensor_parallel_size or data_parallel_size > 1).

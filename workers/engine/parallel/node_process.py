@@ -2,8 +2,9 @@
 renders the same command on every pod of a group; docs/components.md).
 
 The node process serves no gRPC: it spawns its ranks (one process each, workers/engine/parallel/nodes.py
-for the layout), each of which connects to the leader, gets its RankSpec there, loads its shard and
-executes the steps rank 0 sends. The node process serves `/health` and `/ready` on `--metrics-port`
+for the layout), each of which connects to the leader, gets its spec there, loads its shard and
+executes the steps rank 0 sends (a TP group's RankSpec), or runs a whole DP rank's engine that answers the
+DEP front's messages in dp_wire frames (a DEP group's RankArgs: workers/engine/parallel/dp_engine.py). The node process serves `/health` and `/ready` on `--metrics-port`
 (200 while all its ranks live and have loaded, else 503) and `/metrics` (k3serve_node_ranks_ready) and exits when one of them exits: 0 when the
 leader stopped the group, 1 otherwise (the leader gone or silent, a rank that failed), after stopping
 the others. SIGTERM / SIGINT (a group's pods are stopped together) give the leader STOP_GRACE_S to stop
