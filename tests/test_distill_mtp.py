@@ -113,7 +113,7 @@ def test_tiny_distillation_trains_only_the_mtp_layer_and_resumes(tmp_path):
     rec = json.loads((out / "distill.json").read_text())
     assert json.loads((out / "init" / "results.json").read_text())["mtp_distill"]["steps"] == rec["steps"] == 30
     first = next(line for line in (out / "distill.log").read_text().splitlines() if '"step": 0,' in line)
-    kl0 = json.loads(first.split("train ", 1)[1])["kl"]
+    kl0 = json.loads(first[first.index("{"):])["kl"]
     assert rec["final"]["kl"][0] < 0.7 * kl0[0], (kl0, rec["final"])  # it learns the target's distribution
     for when in ("before", "after"):
         assert set(rec[when]["replay"]) == {"1", "2", "3"} and rec[when]["replay"]["3"]["steps"] > 0
@@ -141,3 +141,9 @@ def test_tiny_distillation_trains_only_the_mtp_layer_and_resumes(tmp_path):
     assert main([*common, "--out", str(tmp_path / "run2"), "--resume", str(out)]) == 0
     assert json.loads((tmp_path / "run2" / "distill.json").read_text())["steps"] == 32
     assert "resumed from" in (tmp_path / "run2" / "distill.log").read_text()
+    # --variants: each from the init MTP layer, into its own directory; the best one's record with the comparison
+    assert main([*common, "--out", str(tmp_path / "cmp"), "--steps", "2", "--variants", "data:1,greedy:2"]) == 0
+    best = json.loads((tmp_path / "cmp" / "distill.json").read_text())
+    assert [(v["data"], v["unroll"]) for v in best["compare"]] == [("data", 1), ("greedy", 2)]
+    for v in ("v-data-u1", "v-greedy-u2"):
+        assert (tmp_path / "cmp" / v / "mtp.safetensors").is_file()

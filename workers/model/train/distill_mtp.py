@@ -369,12 +369,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--name", default=None, help="model directory name under --out (default: --init's)")
     p.add_argument("--apply-mtp", default=None, help="only rebuild DIR/<name> from --init and this MTP file")
+    p.add_argument("--record", default=None, help="with --apply-mtp: the run's distill.json (results.json, card)")
     p.add_argument("--resume", default=None, help="a directory holding ckpt-distill.pt")
     p.add_argument("--stdlib", default=None, help="default: this Python's standard library")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kda", choices=["auto", "fla", "chunked"], default="auto")
     p.add_argument("--data", choices=["data", "greedy", "mix"], default="mix")
     p.add_argument("--unroll", type=int, default=3, help="draft steps trained at once")
+    p.add_argument("--variants", default=None,
+                   help="compare: comma-separated DATA:UNROLL pairs (e.g. data:1,mix:3), each trained from --init's "
+                        "MTP layer for --seconds into DIR/v-DATA-uUNROLL/ (mtp.safetensors, distill.json)")
     p.add_argument("--step-weights", default="1,0.7,0.5,0.4,0.3", help="loss weight of draft step 1, 2, ...")
     p.add_argument("--seq", type=int, default=256, help="window / sequence length (one shape everywhere)")
     p.add_argument("--batch", type=int, default=128)
@@ -383,6 +387,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--seconds", type=float, default=60, help="training time when --steps is not given")
     p.add_argument("--greedy-seqs", type=int, default=512, help="greedy training sequences (greedy, mix)")
+    p.add_argument("--greedy-seconds", type=float, default=None, help="... or as many batches of 256 as fit in this")
     p.add_argument("--greedy-prompt", type=int, default=128, help="their prompt length (the rest generated)")
     p.add_argument("--greedy-cache", default=None, help="a file keeping the greedy sequences between runs")
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out code prompts for the acceptance replay")
@@ -418,6 +423,68 @@ def evaluate(model_dir: Path, dev: str, kda: str, held_windows, code_seqs, args,
     return r
 
 
+def write_card(model_dir: Path) -> None:
+    """README.md = the training card (card.py, from results.json) + the distillation section."""
+    from .card import model_card
+
+    results = json.loads((model_dir / "results.json").read_text())
+    text = model_card(results)
+    if results.get("mtp_distill"):
+        text += "\n" + distill_card(results["mtp_distill"])
+    (model_dir / "README.md").write_text(text)
+
+
+def _replay_line(r: dict, k: str) -> str:
+    x = r["replay"][k]
+    return f"accepted length {x['accept_len']}, per position {' / '.join(str(v) for v in x['per_position'])}"
+
+
+def distill_card(rec: dict) -> str:
+    """The model card's section on the distilled MTP layer (from results.json's "mtp_distill")."""
+    b, a = rec["before"], rec["after"]
+    fin = rec.get("final") or {}
+    data = {"data": "random windows of the training split",
+            "greedy": f"the target's greedy continuations of {rec.get('greedy_seqs')} training-split prompts of "
+                      f"{rec.get('greedy_prompt')} tokens (loss on the generated part)",
+            "mix": f"half random training-split windows, half the target's greedy continuations of "
+                   f"{rec.get('greedy_seqs')} training-split prompts of {rec.get('greedy_prompt')} tokens"}[rec["data"]]
+    ks = sorted(a["replay"], key=int)
+    lines = [
+        "## MTP drafter: self-distilled",
+        "",
+        "The MTP layer was trained again with the target frozen (its tensors are bit-identical to the "
+        "pretrained checkpoint's): KL divergence to the target's own next-token distribution, "
+        f"unrolled over {rec['unroll']} recursive draft steps (step weights {rec['step_weights']}), as "
+        "workers/model/train/distill_mtp.py describes.",
+        f"* Data: {data}; {rec['steps']} steps of {rec['batch']}x{rec['seq']} tokens, AdamW lr {rec['lr']} "
+        f"(warm-up, cosine), {rec['train_seconds']} s (KDA: {rec['kda_impl']}).",
+        f"* Final KL per draft step {fin.get('kl')}, top-1 agreement with the target per step "
+        f"{fin.get('top1_vs_target')} (training batch).",
+        f"* Teacher-forced top-1 of draft step 1 on held-out windows, before -> after: against the target's argmax "
+        f"{b['teacher_forced_top1']['vs_target_argmax']} -> **{a['teacher_forced_top1']['vs_target_argmax']}**; "
+        f"against the data's x(t+2) {b['teacher_forced_top1']['vs_data']} -> {a['teacher_forced_top1']['vs_data']}.",
+        f"* Greedy speculative decoding replayed on the target's continuations of {rec['eval_prompts']} held-out code "
+        f"prompts ({rec['eval_prompt_len']} tokens, {rec['eval_max_tokens']} new; `simulate_acceptance`, which counts "
+        "what the engine counts):",
+        "",
+        "| k | accepted length before | after | per position after |",
+        "| --- | --- | --- | --- |",
+    ]
+    for k in ks:
+        lines.append(f"| {k} | {b['replay'][k]['accept_len']} | **{a['replay'][k]['accept_len']}** | "
+                     f"{' / '.join(str(v) for v in a['replay'][k]['per_position'])} |")
+    if rec.get("compare"):
+        lines += ["", "Variants trained for the same time from the pretrained MTP layer (data, unrolled steps): "
+                  "replayed accepted length at k = 3 (held-out code):", ""]
+        lines += [f"* {v['data']}, unroll {v['unroll']}: {v['steps']} steps, {_replay_line(v['after'], '3')}"
+                  for v in rec["compare"]]
+    if rec.get("cpu_benchmark"):
+        lines += ["", "`benchmarks/spec_decode.py` on the CPU " + rec["cpu_benchmark"]["command"], "",
+                  *rec["cpu_benchmark"]["table"]]
+    lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:  # noqa: C901
     from safetensors.torch import load_file, save_file
 
@@ -438,17 +505,40 @@ def main(argv=None) -> int:  # noqa: C901
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
     orig = load_file(str(init / SINGLE_FILE))
+    results = json.loads((init / "results.json").read_text()) if (init / "results.json").is_file() else {}
+    results.pop("mtp_distill", None)
+
+    def finish(model_dir: Path, record: dict | None) -> None:
+        if record is not None:
+            (model_dir / "results.json").write_text(json.dumps(dict(results, mtp_distill=record), indent=2) + "\n")
+            if (model_dir / "README.md").is_file():
+                write_card(model_dir)
+
     if args.apply_mtp:
         mtp = load_file(args.apply_mtp)
-        write_model_dir(init, mtp, out / name)
-        log(f"apply: {out / name} = {init} with the MTP tensors of {args.apply_mtp}")
+        model_dir = write_model_dir(init, mtp, out / name)
+        finish(model_dir, json.loads(Path(args.record).read_text()) if args.record else None)
+        log(f"apply: {model_dir} = {init} with the MTP tensors of {args.apply_mtp}")
         return 0
+
+    variants = ([(d, int(u)) for d, u in (v.split(":") for v in args.variants.split(","))] if args.variants
+                else [(args.data, args.unroll)])
+    for d, u in variants:
+        if d not in ("data", "greedy", "mix") or u < 1:
+            raise SystemExit(f"distill_mtp: bad variant {d}:{u} (DATA in data, greedy, mix; UNROLL >= 1)")
+    weights_s = [float(x) for x in args.step_weights.split(",")]
+    if len(weights_s) < max(u for _, u in variants):
+        raise SystemExit(f"distill_mtp: --step-weights has {len(weights_s)} weights for {max(u for _, u in variants)} "
+                         "unrolled steps")
+    if args.resume and len(variants) > 1:
+        raise SystemExit("distill_mtp: --resume continues one variant, not --variants")
 
     cfg, w = load_model_weights(init, dtype=torch.float32, device=dev)
     if cfg.num_nextn_predict_layers < 1:
         raise SystemExit(f"distill_mtp: {init} has no MTP layer (num_nextn_predict_layers = 0)")
     names = trainable_mtp(w, cfg)
     params = {k: w[k] for k in names}
+    start = {k: t.detach().clone() for k, t in params.items()}
     log(f"init {init}: {sum(t.numel() for t in params.values()) / 1e6:.3f} M trainable MTP parameters "
         f"({len(names)} tensors); the target's {len(orig) - sum(is_mtp_name(k, cfg) for k in orig)} tensors frozen")
     tok = K3Tokenizer.from_dir(str(init))
@@ -476,9 +566,6 @@ def main(argv=None) -> int:  # noqa: C901
     fopt = F.Options(kda=kda)  # frozen target passes
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     ks = [int(x) for x in args.eval_ks.split(",")]
-    weights_s = [float(x) for x in args.step_weights.split(",")]
-    if len(weights_s) < args.unroll:
-        raise SystemExit(f"distill_mtp: --step-weights has {len(weights_s)} weights for --unroll {args.unroll}")
 
     def windows(tokens, B, T):
         starts = torch.randint(0, tokens.numel() - T, (B,), device=dev, generator=gen)
@@ -496,113 +583,139 @@ def main(argv=None) -> int:  # noqa: C901
                               pad=tok.pad_token_id)
     log(f"eval set: {nwin} held-out windows, {len(prompts)} held-out code prompts continued greedily to {L} "
         f"tokens ({time.time() - t:.1f}s)")
-
-    results = json.loads((init / "results.json").read_text()) if (init / "results.json").is_file() else {}
-    record: dict = {"init": str(init), "data": args.data, "unroll": args.unroll, "step_weights": weights_s[: args.unroll],
-                    "seq": L, "batch": args.batch, "lr": args.lr, "kda_impl": kda, "stdlib": root,
-                    "eval_prompts": len(prompts), "eval_prompt_len": args.eval_prompt_len,
-                    "eval_max_tokens": args.eval_max_tokens}
+    base = {"init": str(init), "seq": L, "batch": args.batch, "lr": args.lr, "kda_impl": kda, "stdlib": root,
+            "eval_prompts": len(prompts), "eval_prompt_len": args.eval_prompt_len,
+            "eval_max_tokens": args.eval_max_tokens}
     t = time.time()
-    record["before"] = evaluate(init, dev, kda, held_windows, code_seqs, args, ks)
-    log(f"before: {json.dumps(record['before'])} ({time.time() - t:.1f}s)")
+    before = evaluate(init, dev, kda, held_windows, code_seqs, args, ks)
+    log(f"before: {json.dumps(before)} ({time.time() - t:.1f}s)")
 
-    # greedy training sequences
+    # greedy training sequences (time-boxed batches of 256 with --greedy-seconds)
     greedy = None
-    if args.data in ("greedy", "mix"):
+    if any(d in ("greedy", "mix") for d, _ in variants):
         cache = Path(args.greedy_cache) if args.greedy_cache else None
         if cache is not None and cache.is_file():
             greedy = torch.load(cache, map_location=dev)
             log(f"greedy: {greedy.shape[0]} sequences from {cache}")
         else:
             t = time.time()
-            g_prompts = windows(train_tok, args.greedy_seqs, args.greedy_prompt)
-            greedy = greedy_extend(w, cfg, g_prompts, L - args.greedy_prompt, fopt, pad=tok.pad_token_id)
+            parts = []
+            while True:
+                n = 256 if args.greedy_seconds is not None else args.greedy_seqs
+                parts.append(greedy_extend(w, cfg, windows(train_tok, n, args.greedy_prompt),
+                                           L - args.greedy_prompt, fopt, pad=tok.pad_token_id))
+                if args.greedy_seconds is None or time.time() - t > args.greedy_seconds * len(parts) / (len(parts) + 1):
+                    break
+            greedy = torch.cat(parts)
             log(f"greedy: {greedy.shape[0]} training-split prompts of {args.greedy_prompt} tokens continued to {L} "
                 f"({time.time() - t:.1f}s)")
             if cache is not None:
                 torch.save(greedy.cpu(), cache)
-        record["greedy_seqs"] = int(greedy.shape[0])
-        record["greedy_prompt"] = args.greedy_prompt
-    U = args.unroll
-    N = L - U
-    greedy_mask = (torch.arange(N, device=dev) >= args.greedy_prompt - 1)[None, :]
 
-    opt = make_optimizer(params, args.lr, 0.0)
-    meta = {"step": 0, "total": args.steps, "history": [], "seconds": 0.0}
-    if args.resume:
-        ck = torch.load(Path(args.resume) / "ckpt-distill.pt", map_location=dev)
+    def train(data: str, U: int, vout: Path) -> dict:
+        """One variant from the init MTP weights (or --resume) -> its record; writes vout/mtp.safetensors."""
         with torch.no_grad():
-            for k, t in params.items():
-                t.copy_(ck["w"][k])
-        opt.load_state_dict(ck["opt"])
-        meta = ck["meta"]
-        log(f"resumed from {args.resume}: step {meta['step']} of {meta['total']}")
+            for k, t_ in params.items():
+                t_.copy_(start[k])
+        vlog = Log(vout / "distill.log") if vout != out else log
+        rec = dict(base, data=data, unroll=U, step_weights=weights_s[:U], before=before)
+        if greedy is not None and data != "data":
+            rec.update(greedy_seqs=int(greedy.shape[0]), greedy_prompt=args.greedy_prompt)
+        N = L - U
+        greedy_mask = (torch.arange(N, device=dev) >= args.greedy_prompt - 1)[None, :]
+        opt = make_optimizer(params, args.lr, 0.0)
+        meta = {"step": 0, "total": args.steps, "history": [], "seconds": 0.0}
+        if args.resume:
+            ck = torch.load(Path(args.resume) / "ckpt-distill.pt", map_location=dev)
+            with torch.no_grad():
+                for k, t_ in params.items():
+                    t_.copy_(ck["w"][k])
+            opt.load_state_dict(ck["opt"])
+            meta = ck["meta"]
+            vlog(f"resumed from {args.resume}: step {meta['step']} of {meta['total']}")
 
-    def save():
-        torch.save({"w": {k: t.detach().cpu() for k, t in params.items()}, "opt": opt.state_dict(), "meta": meta},
-                   out / "ckpt-distill.pt.tmp")
-        os.replace(out / "ckpt-distill.pt.tmp", out / "ckpt-distill.pt")
+        def save():
+            torch.save({"w": {k: t_.detach().cpu() for k, t_ in params.items()}, "opt": opt.state_dict(),
+                        "meta": meta}, vout / "ckpt-distill.pt.tmp")
+            os.replace(vout / "ckpt-distill.pt.tmp", vout / "ckpt-distill.pt")
 
-    train_opt = F.Options(kda=kda, fake_quant=True)
-    last_save, t_phase, t_cal = time.time(), time.time(), None
-    first = meta["step"]
-    while meta["total"] is None or meta["step"] < meta["total"]:
-        s = meta["step"]
-        if s == first + 2:
-            t_cal = time.time()
-        if meta["total"] is None and s == first + 7:
-            per = (time.time() - t_cal) / 5
-            meta["total"] = max(s + 1, s + int((args.seconds - (time.time() - t_phase)) / per))
-            log(f"train: {per * 1000:.0f} ms/step -> {meta['total']} steps")
-        total = meta["total"] or 10**9
-        lr = args.lr * min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
-        for gp in opt.param_groups:
-            gp["lr"] = lr
-        parts = []
-        if args.data in ("data", "mix"):
-            parts.append((windows(train_tok, args.batch if args.data == "data" else args.batch // 2, L), None))
-        if greedy is not None:
-            nb = args.batch if args.data == "greedy" else args.batch - args.batch // 2
-            rows = torch.randint(0, greedy.shape[0], (nb,), device=dev, generator=gen)
-            parts.append((greedy[rows], greedy_mask.expand(nb, N)))
-        ids = torch.cat([p for p, _ in parts])
-        mask = None
-        if any(m is not None for _, m in parts):
-            mask = torch.cat([m if m is not None else torch.ones(p.shape[0], N, dtype=torch.bool, device=dev)
-                              for p, m in parts])
-        h, tl = teacher(w, cfg, ids, fopt, batch=ids.shape[0])
-        student, _ = mtp_unrolled(w, cfg, h, ids, U, train_opt)
-        loss, kls, agree = distill_loss(student, tl, weights_s, mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
-        opt.step()
-        meta["step"] = s + 1
-        if s % 25 == 0 or s + 1 == total:
-            rec = {"step": s, "loss": round(float(loss.detach()), 4), "kl": kls, "top1_vs_target": agree,
-                   "gnorm": round(float(gn), 3), "lr": round(lr, 6)}
-            meta["history"].append(rec)
-            log(f"train {json.dumps(rec)}")
-        if time.time() - last_save > args.save_every:
-            meta["seconds"] += time.time() - last_save
-            save()
-            last_save = time.time()
-    meta["seconds"] += time.time() - last_save
-    save()
-    record.update(steps=meta["step"], train_seconds=round(meta["seconds"], 1),
-                  final=meta["history"][-1] if meta["history"] else None)
+        train_opt = F.Options(kda=kda, fake_quant=True)
+        last_save, t_phase, t_cal = time.time(), time.time(), time.time()
+        first = meta["step"]
+        while meta["total"] is None or meta["step"] < meta["total"]:
+            s = meta["step"]
+            if s == first + 2:
+                if dev.startswith("cuda"):
+                    torch.cuda.synchronize()
+                t_cal = time.time()
+            if meta["total"] is None and s == first + 7:
+                if dev.startswith("cuda"):
+                    torch.cuda.synchronize()
+                per = (time.time() - t_cal) / 5
+                meta["total"] = max(s + 1, s + int((args.seconds - (time.time() - t_phase)) / per))
+                vlog(f"train {data}:{U}: {per * 1000:.0f} ms/step -> {meta['total']} steps")
+            total = meta["total"] or 10**9
+            lr = args.lr * min(1.0, (s + 1) / args.warmup) * (
+                0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+            for gp in opt.param_groups:
+                gp["lr"] = lr
+            parts = []
+            if data in ("data", "mix"):
+                parts.append((windows(train_tok, args.batch if data == "data" else args.batch // 2, L), None))
+            if data in ("greedy", "mix"):
+                nb = args.batch if data == "greedy" else args.batch - args.batch // 2
+                rows = torch.randint(0, greedy.shape[0], (nb,), device=dev, generator=gen)
+                parts.append((greedy[rows], greedy_mask.expand(nb, N)))
+            ids = torch.cat([p_ for p_, _ in parts])
+            mask = None
+            if any(m is not None for _, m in parts):
+                mask = torch.cat([m if m is not None else torch.ones(p_.shape[0], N, dtype=torch.bool, device=dev)
+                                  for p_, m in parts])
+            h, tl = teacher(w, cfg, ids, fopt, batch=ids.shape[0])
+            student, _ = mtp_unrolled(w, cfg, h, ids, U, train_opt)
+            loss, kls, agree = distill_loss(student, tl, weights_s, mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+            opt.step()
+            meta["step"] = s + 1
+            if s % 50 == 0 or s + 1 == total:
+                r = {"step": s, "loss": round(float(loss.detach()), 4), "kl": kls, "top1_vs_target": agree,
+                     "gnorm": round(float(gn), 3), "lr": round(lr, 6)}
+                meta["history"].append(r)
+                vlog(f"train {data}:{U} {json.dumps(r)}")
+            if time.time() - last_save > args.save_every:
+                meta["seconds"] += time.time() - last_save
+                save()
+                last_save = time.time()
+        meta["seconds"] += time.time() - last_save
+        save()
+        rec.update(steps=meta["step"], train_seconds=round(meta["seconds"], 1),
+                   final=meta["history"][-1] if meta["history"] else None)
+        mtp = mtp_disk_tensors(w, cfg, orig)
+        save_file(mtp, str(vout / "mtp.safetensors"), metadata={"format": "pt"})
+        model_dir = write_model_dir(init, mtp, vout / name)
+        t0 = time.time()
+        rec["after"] = evaluate(model_dir, dev, kda, held_windows, code_seqs, args, ks)
+        vlog(f"after {data}:{U}: {json.dumps(rec['after'])} ({time.time() - t0:.1f}s)")
+        (vout / "distill.json").write_text(json.dumps(rec, indent=2) + "\n")
+        finish(model_dir, rec)
+        return rec
 
-    # export: the MTP tensors alone, and the full model directory
-    mtp = mtp_disk_tensors(w, cfg, orig)
-    save_file(mtp, str(out / "mtp.safetensors"), metadata={"format": "pt"})
-    model_dir = write_model_dir(init, mtp, out / name)
-    t = time.time()
-    record["after"] = evaluate(model_dir, dev, kda, held_windows, code_seqs, args, ks)
-    log(f"after: {json.dumps(record['after'])} ({time.time() - t:.1f}s)")
-    record["wall_seconds"] = round(time.time() - t_start, 1)
-    results["mtp_distill"] = record
-    (model_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "distill.json").write_text(json.dumps(record, indent=2) + "\n")
-    shutil.copy(out / "distill.log", model_dir / "distill.log")
-    log(f"done: {model_dir} ({record['wall_seconds']} s)")
+    if len(variants) == 1:
+        train(*variants[0], out)
+    else:
+        recs = []
+        for d, u in variants:
+            vout = out / f"v-{d}-u{u}"
+            vout.mkdir(exist_ok=True)
+            recs.append(train(d, u, vout))
+        summary = [{k: r[k] for k in ("data", "unroll", "steps", "train_seconds", "after")} for r in recs]
+        (out / "compare.json").write_text(json.dumps(summary, indent=2) + "\n")
+        best = max(recs, key=lambda r: r["after"]["replay"].get("3", next(iter(r["after"]["replay"].values())))
+                   ["accept_len"])
+        log(f"compare: {[(r['data'], r['unroll'], r['after']['replay']) for r in recs]}; best {best['data']}:"
+            f"{best['unroll']}")
+        (out / "distill.json").write_text(json.dumps(dict(best, compare=summary), indent=2) + "\n")
+    log(f"done ({time.time() - t_start:.1f} s)")
     return 0
