@@ -275,7 +275,7 @@ class EngineArgs:
         False, "with tensor_parallel_size > 1 and expert parallelism: shard the tokens between attention layers "
         "(reduce-scatter after o_proj, MoE all-to-all, all-gather before QKV); one rank: no effect")
     # Rank groups spanning nodes and the launcher (workers/engine/parallel/nodes.py, ray_launcher.py; vLLM's names)
-    nnodes: int = arg(1, "nodes (pods) the tensor-parallel ranks are spread over, the same number on each",
+    nnodes: int = arg(1, "nodes (pods) the tensor- or data-parallel ranks are spread over, the same number on each",
                       parse=positive_int)
     node_rank: int = arg(0, "this node's place in the group: 0 runs the engine and hosts the rendezvous, "
                          "others run ranks only", parse=_non_negative_int)
