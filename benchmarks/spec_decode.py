@@ -21,8 +21,9 @@ baseline's (greedy: all of them, up to float rounding off float64); `spec state`
 state one request holds (the rollback scheme's KDA bytes: workers/engine/spec/rollback.py `state_bytes`
 at batch 1, plus the MTP layer's latent cache at the end of the longest request). After the table: how
 many verify steps ran on the fixed-shape path (CUDA graphs on a GPU; workers/engine/spec/static_verify.py).
-`--chunked-verify`: the KDA layers of verify steps take the chunked form (kernels/cpu/kda.py) instead of the
-short-chunk token walk (kernels/cpu/kda_verify.py), to compare the two on one machine.
+`--chunked-verify`: the KDA layers of verify steps take the chunked form (kernels/cpu/kda.py, and for recover_ssm
+kernels/kda_recover.py `kda_recover_verify`) instead of the short-chunk token walks (kernels/cpu/kda_verify.py,
+workers/engine/spec/recover_ssm.py `_verify_walk`), to compare the two on one machine.
 """
 
 from __future__ import annotations
@@ -236,12 +237,14 @@ def main(argv=None) -> None:
     ap.add_argument("--sets", default="code,entropy")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--chunked-verify", action="store_true",
-                    help="verify chunks through the chunked KDA form (the path before kernels/cpu/kda_verify.py)")
+                    help="verify chunks through the chunked KDA forms (the paths before the CPU token walks)")
     args = ap.parse_args(argv)
     if args.chunked_verify:
         from k3serve.workers.engine.k3_forward import K3ForwardModel
+        from k3serve.workers.engine.spec import recover_ssm
 
         K3ForwardModel._short_rows = staticmethod(lambda b: False)
+        recover_ssm.WALK_MAX_TOKENS = 0  # RecoverSSM's verify: the chunked kda_recover_verify, not the token walk
     if args.threads:
         import torch
 

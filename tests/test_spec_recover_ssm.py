@@ -76,6 +76,33 @@ def test_verify_equals_kda_chunked_and_fold_equals_recomputed_state(seed):
             assert torch.allclose(got[spare], ref_pool[slots[r]], rtol=0, atol=1e-12)  # full fold == chunked
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_cpu_token_walk_equals_the_chunked_verify(seed):
+    """recover_ssm.py `_verify_walk` (the CPU verify of short chunks) == kda_recover_verify: outputs and
+    corrections, ragged and equal-length rows, S0 read and never written."""
+    from k3serve.workers.engine.spec.recover_ssm import _verify_walk
+
+    x, lens, cu, pool, slots, init = _rand_case(seed)
+    if seed % 2:  # every row the same length (the dense layout): the first len(lens) * lens[0] tokens
+        lens = [lens[0]] * len(lens)
+        T = sum(lens)
+        g = torch.Generator().manual_seed(seed)
+        x = {name: torch.randn(T, *t.shape[1:], generator=g, dtype=F64) for name, t in x.items()}
+        x["g"], x["beta"] = -x["g"].abs(), torch.sigmoid(x["beta"])
+        cu = torch.tensor([0] + lens).cumsum(0)
+    R, tmax = len(lens), max(lens)
+    H, V, K = pool.shape[1:]
+    want_c = torch.zeros(R + 1, tmax + 1, H, V, dtype=F64)
+    got_c = want_c.clone()
+    o_ref = kda_recover_verify(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots, cu, init, want_c)
+    before = pool.clone()
+    o = _verify_walk(x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots.tolist(), init.tolist(), lens, got_c,
+                     scale=K ** -0.5)
+    assert torch.equal(pool, before)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-11)
+    torch.testing.assert_close(got_c, want_c, rtol=0, atol=1e-11)
+
+
 def test_fold_reads_every_checkpoint_before_writing():
     """Several lengths of one row folded at once, one of them into the checkpoint's own slot."""
     x, lens, cu, pool, slots, init = _rand_case(3)

@@ -57,6 +57,7 @@ class _Step:
     checkpoints: list[tuple[int, int, list[int]]]  # (buffer row, offset, block per KDA group) of the batch
     other: object | None  # the batch with verified rows padded out, None when every row is verified
     whole: bool = False  # the verified rows are the whole batch, in order (no gathers needed)
+    lens: list[int] = dataclasses.field(default_factory=list)  # tokens per verified row (host)
 
 
 class RecoverSSMRollback(RollbackScheme):
@@ -132,7 +133,7 @@ class RecoverSSMRollback(RollbackScheme):
                            has_init_list=[bool(v) for v in batch.has_initial_state[seqs].tolist()],
                            run_slots_list=[[row.running_slots[gi] for row in rows]
                                            for gi in range(len(self.layout.kda_groups))],
-                           other=other)
+                           other=other, lens=lens)
         if getattr(batch, "spec", None) is None:
             batch.spec = SpecBatch(rows=list(rows))
         batch.spec.kda_mix = self.kda_mix
@@ -189,8 +190,12 @@ class RecoverSSMRollback(RollbackScheme):
         self.key_gate[i][st.row_of_tok, st.pos_of_tok] = torch.cat([k, rg], dim=-1)
         g = ops.kda_gate(rg, w[p + "A_log"], w[p + "dt_bias"], cfg.gate_lower_bound)
         beta = torch.sigmoid(bl.to(model.acc))
-        ov = kda_recover_verify(q, k, v, g, beta, model.kv.ssm_view(j), st.run_slots[gi], st.cu, st.has_init,
-                                self.corr[i], scale=K ** -0.5, use_qk_l2norm=True)
+        if not x.is_cuda and max(st.lens) <= WALK_MAX_TOKENS:  # the CPU token walk (below)
+            ov = _verify_walk(q, k, v, g, beta, model.kv.ssm_view(j), st.run_slots_list[gi], st.has_init_list,
+                              st.lens, self.corr[i], scale=K ** -0.5)
+        else:
+            ov = kda_recover_verify(q, k, v, g, beta, model.kv.ssm_view(j), st.run_slots[gi], st.cu, st.has_init,
+                                    self.corr[i], scale=K ** -0.5, use_qk_l2norm=True)
         if o is None:
             o = ov
         else:
@@ -259,6 +264,64 @@ class RecoverSSMRollback(RollbackScheme):
         kda_recover_commit_rows(model.kv.ssm_view(j), model.kv.conv_view(j), s0, inits, rec_rows, seg,
                                 self.key_gate[i], self.corr[i], self.conv_in[i], w[p + "A_log"], w[p + "dt_bias"],
                                 model.cfg.gate_lower_bound, counts, outs)
+
+
+WALK_MAX_TOKENS = 9
+"""Longest verified chunk the CPU token walk takes (1 + k for k <= 8; kernels/cpu/kda_verify.py's bound)."""
+
+
+def _verify_walk(q, k, v, g, beta, state_pool, slots: list[int], init: list[bool], lens: list[int],
+                 corrections: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """kernels/kda_recover.py `kda_recover_verify` (use_qk_l2norm=True) on the CPU for short chunks: the delta rule
+    token by token from S0 (read, never written), every row at once in a padded [R, Lt] layout (a padding token has
+    g = 0 and beta = 0: no change), as kernels/cpu/kda_verify.py walks it, instead of the chunked WY form with its
+    triangular solve. The correction of token t is u_t = beta_t (v_t - S'_{t-1} k_t), S'_{t-1} the decayed state
+    (the WY form's pseudo-value: S_t = S'_{t-1} + u_t k_tᵀ); o_t = S_t q_t. q, k, g [Tv, H, K], v [Tv, H, V], beta
+    [Tv, H] for the verified rows back to back (`lens` tokens each); row r's corrections go to corrections[r, :lens[r]].
+    Returns o [Tv, H, V] in v's dtype."""
+    from k3serve.kernels.reference._varlen import compute_dtype
+    from k3serve.kernels.reference.norms import l2_normalize
+
+    Tv, H, K = q.shape
+    V = v.shape[-1]
+    R, Lt = len(lens), max(lens)
+    dt = compute_dtype(q, k, v, g, beta, state_pool)
+    dense = all(n == Lt for n in lens)
+    if dense:
+        def pad(t):
+            return t.to(dt).reshape(R, Lt, *t.shape[1:])
+    else:  # row Tv of the padded inputs is the padding token (zeros)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        tok = torch.tensor([[cu[r] + t if t < lens[r] else Tv for t in range(Lt)] for r in range(R)])
+
+        def pad(t):
+            return torch.cat([t.to(dt), t.new_zeros((1, *t.shape[1:]), dtype=dt)])[tok]
+    qk = l2_normalize(torch.cat([pad(q), pad(k)], 2), 1e-6)  # [R, Lt, 2H, K]: q and k normalised together
+    qn = qk[:, :, :H] * scale
+    kn = qk[:, :, H:, None, :]  # [R, Lt, H, 1, K]
+    vv, eg, bb = pad(v), torch.exp(pad(g)).unsqueeze(3), pad(beta).unsqueeze(3)
+    idx = torch.tensor(slots)
+    S = state_pool.index_select(0, idx).to(dt)
+    if not all(init):
+        S = torch.where(torch.tensor(init)[:, None, None, None], S, 0)
+    U = torch.empty(R, Lt, H, V, dtype=dt)
+    O = torch.empty(R, Lt, H, V, dtype=dt)
+    for t in range(Lt):
+        S = S * eg[:, t]
+        u = (vv[:, t] - (S * kn[:, t]).sum(-1)).mul_(bb[:, t])  # [R, H, V]
+        U[:, t] = u
+        S = S.add_(u[..., None] * kn[:, t])
+        O[:, t] = (S * qn[:, t, :, None, :]).sum(-1)
+    if dense:
+        corrections[:R, :Lt] = U.to(corrections.dtype)
+        return O.reshape(Tv, H, V).to(v.dtype)
+    out = torch.empty(Tv, H, V, dtype=dt)
+    for r in range(R):
+        corrections[r, :lens[r]] = U[r, :lens[r]].to(corrections.dtype)
+        out[cu[r]:cu[r + 1]] = O[r, :lens[r]]
+    return out.to(v.dtype)
 
 
 SCHEMES[RecoverSSMRollback.name] = RecoverSSMRollback
