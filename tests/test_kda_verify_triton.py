@@ -67,3 +67,21 @@ def test_triton_kda_verify_gated_output_equals_norm_of_contract(seed):
     check(out, (want, ref[1], ref[2]), 2e-4)
     fast = run(ops.kda_verify, inputs, kw, gate=gate, o_norm_weight=onw, eps=1e-5)  # the CPU walk + ops' norm
     check(fast, (want, ref[1], ref[2]), 2e-4)
+
+
+def test_short_rows_routes_on_the_host_field_without_reading_the_device():
+    """K3ForwardModel._short_rows decides from ForwardBatch.max_query_len: cu_seqlens on the meta device (any
+    read of its values raises) shows it never reads the tensor when the field is set."""
+    from k3serve.workers.engine.forward_batch import ForwardBatch
+    from k3serve.workers.engine.k3_forward import K3ForwardModel
+
+    def batch(n):
+        meta = torch.empty(3, dtype=torch.long, device="meta")
+        return ForwardBatch(meta, meta, meta, meta, [], [], [], meta, None, None, None, meta, max_query_len=n)
+
+    assert K3ForwardModel._short_rows(batch(4))
+    assert K3ForwardModel._short_rows(batch(kv.MAX_TOKENS))
+    assert not K3ForwardModel._short_rows(batch(kv.MAX_TOKENS + 1))
+    assert not K3ForwardModel._short_rows(batch(0))
+    with pytest.raises((RuntimeError, NotImplementedError)):  # unset: the fallback reads cu_seqlens
+        K3ForwardModel._short_rows(batch(None))
