@@ -158,6 +158,52 @@ def test_preemption_drops_drafts(tmp_path_factory, rollback):
     assert st["num_preemptions"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
 
 
+class TwinDrafter:
+    """The MTP drafter's two forms on the same engine: both observe every step; the graph form's drafts are used
+    and must equal the eager form's (preemption, prefix-cache hits: entries missing, recomputed, rows reused)."""
+
+    needs_hidden = True
+
+    def __init__(self, eager, graph):
+        self.eager, self.graph, self.compared = eager, graph, 0
+
+    def observe_batch(self, items):
+        self.eager.observe_batch(items)
+        self.graph.observe_batch(items)
+
+    def propose_batch(self, reqs):
+        a, b = self.graph.propose_batch(reqs), self.eager.propose_batch(reqs)
+        assert a == b
+        self.compared += sum(1 for d in a if d)
+        return a
+
+    def drop(self, request_id):
+        self.eager.drop(request_id)
+        self.graph.drop(request_id)
+
+
+def test_graph_mtp_drafter_equals_eager_under_preemption_and_prefix_hits(tmp_path_factory):
+    from k3serve.workers.engine.spec.mtp_graphs import GraphMTPProposer
+
+    seed = MTP_SEEDS[1]
+    d, cfg, prompts, ref = _setup(tmp_path_factory, seed)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    kw = dict(enable_prefix_caching=True, speculative_config=spec, block_size=8)
+    lay = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_model_len=64, **kw).engine.layout
+    budget = tight_kv_budget(d, 64, 3 + 3 * len(lay.kda_groups), **kw)
+    llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, kv_cache_memory=budget, max_num_batched_tokens=24,
+              max_model_len=64, **kw)
+    eager = llm.engine.proposer
+    twin = llm.engine.proposer = TwinDrafter(eager, GraphMTPProposer(eager.cfg, llm.engine.runner.model.w,
+                                                                     eager.dtype, 3, graphs=False, slots=1,
+                                                                     positions=8))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(MAX_NEW))] == ref
+    resend = [p + r[:FIRST] for p, r in zip(prompts, ref)]
+    assert [o.outputs[0].token_ids for o in llm.generate(resend, _greedy(MAX_NEW - FIRST))] == [
+        r[FIRST:] for r in ref]
+    assert llm.engine.stats()["num_preemptions"] > 0 and twin.compared > 10
+
+
 class PerfectDrafter(OracleDrafter):
     """Always drafts the reference continuation: every verify step accepts its whole run."""
 
