@@ -2,8 +2,8 @@
 and the process a non-leader node runs.
 
 Layout (vLLM's names, the pod contract's values: docs/components.md): `--nnodes` nodes of `per_node =
-size / nnodes` ranks each (size: tensor_parallel_size, or data_parallel_size for a DEP group); node `--node-rank` k runs the global ranks k * per_node ..
-(k + 1) * per_node - 1. Node 0 is the leader: its rank 0 is the engine (scheduler, sampler, gRPC), and it
+size / nnodes` ranks each (size: tensor_parallel_size, or data_parallel_size for a DEP group); node
+`--node-rank` k runs the global ranks k * per_node .. (k + 1) * per_node - 1. Node 0 is the leader: its rank 0 is the engine (scheduler, sampler, gRPC), and it
 hosts the rendezvous, a TCPStore on `--master-addr:--master-port` (the address it resolves to is the only
 one bound: the leader pod's own IP in a pod, 127.0.0.1 locally). Every rank's gloo listener binds its own
 node's address (`--host` on other nodes).
