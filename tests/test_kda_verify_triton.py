@@ -24,7 +24,7 @@ from k3serve.kernels.triton import kda_verify as tkv
 pytestmark = skip_on_cuda
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", range(6))
 def test_triton_kda_verify_equals_token_walk_and_contract(seed):
     rng = random.Random(seed)
     inputs, kw = case(rng, seed, static=seed % 3 == 2)
@@ -48,7 +48,7 @@ def test_ops_kda_verify_takes_the_kernel_with_triton_kernels(monkeypatch):
     check(out, oracle(inputs, kw), 2e-4)
 
 
-@pytest.mark.parametrize("seed", [4, 5])
+@pytest.mark.parametrize("seed", [5])
 def test_triton_kda_verify_gated_output_equals_norm_of_contract(seed):
     """The fused output form (gate + o_norm_weight): rms_norm(o) * sigmoid(gate) of the contract's o."""
     rng = random.Random(seed)
