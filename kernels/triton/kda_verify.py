@@ -67,26 +67,36 @@ def _conv_window_store(dst_ptr, x_ptr, x_stride, hist, ch, t0, j, W: tl.constexp
              mask=rw[None, :] < W - 1)
 
 
-@triton.jit(do_not_specialize=["H", "NCK"])
+@triton.jit(do_not_specialize=["H", "NCK", "B", "N"])
 def _kda_verify_kernel(
     qkv_ptr, cw_ptr, cs_ptr, rg_ptr, alog_ptr, dtb_ptr, bl_ptr, pool_ptr, slot_ptr, init_ptr, cu_ptr,
     cks_ptr, cko_ptr, ckl_ptr, gate_ptr, onw_ptr, out_ptr,
-    qkv_stride, cs_stride, pool_stride, bl_stride, gt_stride, scale, lower_bound, eps, H, NCK,
+    qkv_stride, cs_stride, pool_stride, bl_stride, gt_stride, scale, lower_bound, eps, H, NCK, B, N,
     K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WB: tl.constexpr, HAS_INIT: tl.constexpr,
     HAS_LB: tl.constexpr, BCK: tl.constexpr, NORM_GATE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    if slot >= 0:
-        t0 = tl.load(cu_ptr + b).to(tl.int64)
-        L = tl.load(cu_ptr + b + 1).to(tl.int64) - t0
+    rv = tl.arange(0, V)
+    if b == B:  # the last program: zero outputs for the rows past the last sequence (none in the engine)
+        slot = b.to(tl.int64) * 0 - 1
+        z0 = tl.load(cu_ptr + B).to(tl.int64)
+        z1 = N.to(tl.int64) + 0 * z0
+    else:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        z0 = tl.load(cu_ptr + b).to(tl.int64)
+        z1 = tl.load(cu_ptr + b + 1).to(tl.int64)
+    if slot < 0:  # a padding row (or the rows past the last sequence): zero outputs, no state read or written
+        for r in range(z0, z1):
+            tl.store(out_ptr + (r * H + h) * V + rv, tl.zeros([V], dtype=tl.float32).to(out_ptr.dtype.element_ty))
+    else:
+        t0 = z0
+        L = z1 - z0
         if HAS_INIT:
             init = tl.load(init_ptr + b).to(tl.int32)
         else:
             init = 0
         rk = tl.arange(0, K)
-        rv = tl.arange(0, V)
         rw = tl.arange(0, WB)
         qch = h * K + rk
         kch = H * K + h * K + rk
@@ -185,10 +195,10 @@ def kda_verify_triton(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta
     norm_gate = gate is not None
     if norm_gate != (o_norm_weight is not None):
         raise ValueError("kda_verify: gate and o_norm_weight go together")
-    out = torch.zeros(N, H, V, dtype=qkv.dtype if norm_gate else torch.float32, device=qkv.device)
     B = cu_seqlens.shape[0] - 1
     if N == 0 or B <= 0:
-        return out
+        return torch.zeros(N, H, V, dtype=qkv.dtype if norm_gate else torch.float32, device=qkv.device)
+    out = torch.empty(N, H, V, dtype=qkv.dtype if norm_gate else torch.float32, device=qkv.device)  # every row written
     slots = state_indices
     init = has_initial_state
     if init is not None and init.dtype not in (torch.bool, torch.int32, torch.int64):
@@ -207,12 +217,12 @@ def kda_verify_triton(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta
         onw = o_norm_weight.contiguous()
     else:
         gt = onw = bl
-    _kda_verify_kernel[(B, H)](
+    _kda_verify_kernel[(B + 1, H)](
         qkv, cw, conv_states, raw_g.contiguous(), A_log.contiguous(), dt_bias.contiguous(), bl, state_pool,
         slots, init if init is not None else slots, cu_seqlens, cks, cko, ckl, gt, onw, out,
         qkv.stride(0), conv_states.stride(0), state_pool.stride(0), bl.stride(0), gt.stride(0),
         K ** -0.5 if scale is None else float(scale), 0.0 if lower_bound is None else float(lower_bound),
-        float(eps), H, nck,
+        float(eps), H, nck, B, N,
         K=K, V=V, W=W, WB=next_pow2(W), HAS_INIT=init is not None, HAS_LB=lower_bound is not None,
         BCK=min(64, next_pow2(max(nck, 1))), NORM_GATE=norm_gate, num_warps=num_warps or (8 if K * V >= 128 * 64 else 4),
     )  # fmt: skip
