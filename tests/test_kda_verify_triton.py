@@ -85,3 +85,39 @@ def test_short_rows_routes_on_the_host_field_without_reading_the_device():
     assert not K3ForwardModel._short_rows(batch(0))
     with pytest.raises((RuntimeError, NotImplementedError)):  # unset: the fallback reads cu_seqlens
         K3ForwardModel._short_rows(batch(None))
+
+
+_AOT = """
+import random, sys, torch
+sys.path.insert(0, {tests!r})
+from _kda_verify_cases import case
+from k3serve.kernels.triton.aot_check import capture_compiles
+from k3serve.kernels.triton import kda_verify as tkv
+inputs, kw = case(random.Random(2), 2, static=True, heads=(3,), dims=(64,))
+for n in ("qkv", "raw_g", "beta_logit", "conv_states"):
+    inputs[n] = inputs[n].to(torch.bfloat16)
+N, h, _ = inputs["raw_g"].shape
+V = inputs["state_pool"].shape[2]
+for extra in ({{}}, dict(gate=torch.zeros(N, h * V, dtype=torch.bfloat16), o_norm_weight=torch.ones(V))):
+    with capture_compiles() as reps:
+        tkv.kda_verify_triton(*inputs.values(), **kw, **extra)
+    for r in reps:
+        print(r.line())
+"""
+
+
+def test_kernel_compiles_for_sm90_without_spills():
+    """The compiled (not interpreted) kernel for an H200 (sm_90) at the demo model's sizes: Triton's full
+    pipeline through ptxas on this CPU (kernels/triton/aot_check.py), in a process without the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _AOT.format(tests=tests)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("_kda_verify_kernel")]
+    assert len(lines) == 2 and not any("ERROR" in ln for ln in lines), r.stdout
+    assert all(" spills=0 " in ln for ln in lines), r.stdout
