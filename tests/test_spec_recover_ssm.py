@@ -103,6 +103,30 @@ def test_cpu_token_walk_equals_the_chunked_verify(seed):
     torch.testing.assert_close(got_c, want_c, rtol=0, atol=1e-11)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_conv_walk_equals_the_varlen_conv(seed):
+    """recover_ssm.py `_conv_walk` == ops.causal_conv1d_varlen (silu) on a copy of the windows, which it never writes."""
+    from k3serve.workers.engine.spec.recover_ssm import _conv_walk
+
+    r = random.Random(seed)
+    C, W = r.choice([6, 12]), r.choice([2, 3, 4])
+    lens = [r.randint(1, 9) for _ in range(r.randint(1, 4))]
+    if seed % 2:
+        lens = [lens[0]] * len(lens)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lens), C, generator=g, dtype=F64)
+    w = torch.randn(C, 1, W, generator=g, dtype=F64)
+    pool = torch.randn(2 * len(lens) + 1, C, W - 1, generator=g, dtype=F64)
+    slots = r.sample(range(pool.shape[0]), len(lens))
+    init = [r.random() < 0.7 for _ in lens]
+    before = pool.clone()
+    got = _conv_walk(x, w, pool, slots, init, lens)
+    assert torch.equal(pool, before)
+    want = ops.causal_conv1d_varlen(x, w, pool[torch.tensor(slots)], torch.arange(len(lens)),
+                                    torch.tensor([0] + lens).cumsum(0), torch.tensor(init), activation="silu")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_fold_reads_every_checkpoint_before_writing():
     """Several lengths of one row folded at once, one of them into the checkpoint's own slot."""
     x, lens, cu, pool, slots, init = _rand_case(3)

@@ -182,15 +182,19 @@ class RecoverSSMRollback(RollbackScheme):
                             f"{self.conv_in[i].dtype} (the cache layout's activation dtype)")
         R = len(st.rows)
         self.conv_in[i][st.row_of_tok, st.pos_of_tok] = x
-        # the conv runs on a private copy of the running windows, so the running block is not written
-        window = model.kv.conv_view(j)[st.run_slots[gi]]
-        ar = torch.arange(R, dtype=torch.long, device=x.device)
-        y = ops.causal_conv1d_varlen(x, model.conv_w[i], window, ar, st.cu, st.has_init, activation="silu")
+        walk = not x.is_cuda and max(st.lens) <= WALK_MAX_TOKENS  # the CPU token walks (below)
+        if walk:
+            y = _conv_walk(x, model.conv_w[i], model.kv.conv_view(j), st.run_slots_list[gi], st.has_init_list,
+                           st.lens)
+        else:  # the conv runs on a private copy of the running windows, so the running block is not written
+            window = model.kv.conv_view(j)[st.run_slots[gi]]
+            ar = torch.arange(R, dtype=torch.long, device=x.device)
+            y = ops.causal_conv1d_varlen(x, model.conv_w[i], window, ar, st.cu, st.has_init, activation="silu")
         q, k, v = (t.reshape(-1, h, K) for t in y.split(h * K, dim=-1))  # the page's state is [h, d, d]: V == K
         self.key_gate[i][st.row_of_tok, st.pos_of_tok] = torch.cat([k, rg], dim=-1)
         g = ops.kda_gate(rg, w[p + "A_log"], w[p + "dt_bias"], cfg.gate_lower_bound)
         beta = torch.sigmoid(bl.to(model.acc))
-        if not x.is_cuda and max(st.lens) <= WALK_MAX_TOKENS:  # the CPU token walk (below)
+        if walk:
             ov = _verify_walk(q, k, v, g, beta, model.kv.ssm_view(j), st.run_slots_list[gi], st.has_init_list,
                               st.lens, self.corr[i], scale=K ** -0.5)
         else:
@@ -268,6 +272,38 @@ class RecoverSSMRollback(RollbackScheme):
 
 WALK_MAX_TOKENS = 9
 """Longest verified chunk the CPU token walk takes (1 + k for k <= 8; kernels/cpu/kda_verify.py's bound)."""
+
+
+def _conv_walk(x: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor, slots: list[int],
+               init: list[bool], lens: list[int]) -> torch.Tensor:
+    """ops.causal_conv1d_varlen(activation="silu") over the verified rows (x [Tv, C], `lens` tokens each) from their
+    windows conv_states[slots] (zeros where not init), which are only READ: every row's [history | chunk] at once
+    and the window product, as kernels/cpu/kda_verify.py does (a grouped conv per row costs several times more at
+    these sizes). Returns y [Tv, C] in x's dtype."""
+    from k3serve.kernels.reference._varlen import compute_dtype
+
+    Tv, C = x.shape
+    R, Lt = len(lens), max(lens)
+    dt = compute_dtype(x, conv_states)
+    w = (conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight).to(dt)  # [C, W]
+    W = w.shape[1]
+    dense = all(n == Lt for n in lens)
+    if dense:
+        xp = x.to(dt).view(R, Lt, C)
+    else:
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        tok = torch.tensor([[cu[r] + t if t < lens[r] else Tv for t in range(Lt)] for r in range(R)])
+        xp = torch.cat([x.to(dt), x.new_zeros((1, C), dtype=dt)])[tok]
+    hist = conv_states.index_select(0, torch.tensor(slots)).to(dt)  # [R, C, W-1]
+    if not all(init):
+        hist = torch.where(torch.tensor(init)[:, None, None], hist, 0)
+    full = torch.cat([hist.transpose(1, 2), xp], dim=1)  # [R, W-1+Lt, C]
+    y = torch.nn.functional.silu((full.unfold(1, W, 1) * w).sum(-1))  # [R, Lt, C]
+    if dense:
+        return y.reshape(Tv, C).to(x.dtype)
+    return torch.cat([y[r, :lens[r]] for r in range(R)]).to(x.dtype)
 
 
 def _verify_walk(q, k, v, g, beta, state_pool, slots: list[int], init: list[bool], lens: list[int],
