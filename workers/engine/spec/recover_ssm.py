@@ -246,8 +246,16 @@ class RecoverSSMRollback(RollbackScheme):
             return
         st = self._step
         dev = self.corr[self.layers[0][0]].device
-        lt = dict(dtype=torch.long, device=dev)
         recs = [r for r, _ in pending]
+        if dev.type == "cpu":  # the CPU walk (below): the same states, without the reference's per-request gathers
+            for gi in range(len(self.layout.kda_groups)):
+                s0 = [st.run_slots_list[gi][r] for r in recs]
+                entries = [[(off, blocks[gi]) for off, blocks in e] for _, e in pending]
+                for i, g2, j in self.layers:
+                    if g2 == gi:
+                        self._fold_walk(self._model, i, j, s0, [st.has_init_list[r] for r in recs], recs, entries)
+            return
+        lt = dict(dtype=torch.long, device=dev)
         seg = [0]
         for _, entries in pending:
             seg.append(seg[-1] + len(entries))
@@ -260,6 +268,49 @@ class RecoverSSMRollback(RollbackScheme):
             for i, g2, j in self.layers:
                 if g2 == gi:
                     self._commit_layer(self._model, i, j, s0=s0, outs=outs, **meta)
+
+    def _fold_walk(self, model, i: int, j: int, s0: list[int], inits: list[bool], recs: list[int],
+                   entries: list[list[tuple[int, int]]]) -> None:
+        """kda_recover_commit_rows on the CPU, every request of the step at once: the gate recomputed from the
+        recorded raw gate, then the recurrence S_t = S_{t-1} diag(e^{g_t}) + u_t k̂_tᵀ from S0 for the recorded
+        corrections (the fold's sum, token by token), the conv windows as slices of [window | inputs]; request r's
+        entry (count, block) gets the state and window after `count` tokens. Every S0 is read first."""
+        from k3serve.kernels.reference._varlen import compute_dtype
+        from k3serve.kernels.reference.norms import l2_normalize
+
+        w, cfg = model.w, model.cfg
+        p = f"model.layers.{i}.self_attn."
+        K = self.K
+        pool, conv = model.kv.ssm_view(j), model.kv.conv_view(j)
+        R = len(recs)
+        cmax = max(c for e in entries for c, _ in e)
+        rec = torch.tensor(recs)
+        kg = self.key_gate[i].index_select(0, rec)[:, :cmax]  # [R, c, H, 2K]
+        dt = compute_dtype(pool, kg)
+        g = ops.kda_gate(kg[..., K:].reshape(R * cmax, self.h, K), w[p + "A_log"], w[p + "dt_bias"],
+                         cfg.gate_lower_bound).to(dt).view(R, cmax, self.h, 1, K)
+        kh = l2_normalize(kg[..., :K].to(dt), 1e-6).view(R, cmax, self.h, 1, K)
+        u = self.corr[i].index_select(0, rec)[:, :cmax].to(dt)  # [R, c, H, V]
+        S = pool.index_select(0, torch.tensor(s0)).to(dt)
+        if not all(inits):
+            S = torch.where(torch.tensor(inits)[:, None, None, None], S, 0)
+        Sh = torch.empty(R, cmax + 1, self.h, self.V, K, dtype=dt)  # Sh[:, c] = the state after c tokens
+        Sh[:, 0] = S
+        eg = torch.exp(g)
+        for t in range(cmax):
+            S = torch.addcmul(S * eg[:, t], u[:, t, :, :, None], kh[:, t])
+            Sh[:, t + 1] = S
+        hist = conv.index_select(0, torch.tensor(s0))  # [R, C, W-1]
+        if not all(inits):
+            hist = torch.where(torch.tensor(inits)[:, None, None], hist, 0)
+        x = self.conv_in[i].index_select(0, rec)[:, :cmax].to(conv.dtype)  # [R, c, C]
+        full = torch.cat([hist, x.transpose(1, 2)], dim=2)  # [R, C, W-1+c]
+        Wm1 = conv.shape[2]
+        wins = full.unfold(2, Wm1, 1).transpose(1, 2)  # [R, c+1, C, W-1]: the window after 0..c tokens
+        src = torch.tensor([r * (cmax + 1) + c for r, e in enumerate(entries) for c, _ in e])
+        dst = torch.tensor([blk for e in entries for _, blk in e])
+        pool.index_copy_(0, dst, Sh.view(R * (cmax + 1), self.h, self.V, K).index_select(0, src).to(pool.dtype))
+        conv.index_copy_(0, dst, wins.reshape(R * (cmax + 1), *wins.shape[2:]).index_select(0, src))
 
     def _commit_layer(self, model, i: int, j: int, *, s0, inits, rec_rows, seg, counts, outs) -> None:
         """kda_recover_commit_rows at KDA layer i (page position j) over this step's side buffers."""
