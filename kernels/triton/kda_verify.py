@@ -3,21 +3,26 @@
 Same contract as `k3serve.kernels.cpu.kda_verify.kda_verify` (o [T, H, V] in fp32 before o_norm; final
 states and conv windows written back; the checkpoint exports, the state and conv window after 1..len
 tokens, written to their slots), with every index read ON THE DEVICE: sequence starts (`cu_seqlens`), state
-slots, has_initial_state and the checkpoint triples. No host sync, no glue kernels besides the zeroed
-output: a verify step that uses it can be captured in a CUDA graph (workers/engine/spec/static_verify.py).
+slots, has_initial_state and the checkpoint triples. No host sync and no glue kernels (one launch per
+layer): a verify step that uses it can be captured in a CUDA graph (workers/engine/spec/static_verify.py).
+With `gate` and `o_norm_weight` the output is the layer's gated RMSNorm of o, in qkv's dtype (as kda_decode).
 
 Work split, as the fused one-token kernel kernels/triton/kda_decode.py: one program per (sequence, head)
-holds the head's whole [V, K] state in fp32 registers and walks the sequence's tokens in order:
+holds the head's whole [V, K] state in fp32 registers and walks the sequence's tokens in order. The inputs
+of a block of `TOKEN_BLOCK` tokens (conv, l2 norms, gate, beta; the output norm after the walk) are loaded
+and mapped as [tokens, channels] tiles at once, so the serial walk itself does no global loads:
   conv:  y_t = SiLU(sum_w w[:, w] * z[:, t + w]) over z = [history (W-1 raw inputs) | chunk]; the history
-         is loaded once (registers), chunk rows are read from qkv (read-only), so a slot written during the
-         walk (an export into the sequence's own slot) never changes what later tokens read;
+         is read before the program writes anything (and kept in registers for the exported windows),
+         chunk rows are read from qkv (read-only), so a slot written during the walk (an export into the
+         sequence's own slot) never changes what later tokens read;
   gate:  g = lower_bound * sigmoid(exp(A_log) * (raw_g + dt_bias)) (or -exp(A_log) * softplus(..));
   delta: S <- S diag(e^g); u = beta (v - S k); S <- S + u k^T; o_t = S q (q, k l2-normed, q scaled).
 After token t the program scans the checkpoint triples (a vector compare per block of `BCK`) for exports
 of (its sequence, offset t + 1) and stores the state and the conv window after t + 1 tokens there, in the
 triples' order; at the end the final state and window go to the sequence's own slot unless one of its
 exports already targeted that slot (the contract: final states first, checkpoints after, so the checkpoint
-wins). A sequence with slot -1 (padding) is skipped: its outputs stay zero and it exports nothing.
+wins). A sequence with slot -1 (padding) reads and writes no slot and exports nothing; its output rows, and
+those past the last sequence (one extra program per head), are written as zeros.
 Outside the contract: two sequences writing one slot (final or export) with different values (their
 programs run in any order); the static verify batch's repeated padding exports are identical writes.
 """
@@ -30,24 +35,28 @@ import triton.language as tl
 
 from ._common import interpreting, next_pow2
 
+TOKEN_BLOCK = 8
+"""Tokens whose inputs a program loads and maps at once (a verify chunk is 1 + k <= 9 tokens: one block for
+k <= 7); a longer sequence walks several blocks."""
+
 
 @triton.jit
-def _conv_token(x_ptr, x_stride, cw_ptr, hist, ch, t0, t, W: tl.constexpr, WB: tl.constexpr):
-    """SiLU of the short conv of token t (of the sequence starting at row t0) over channels `ch`.
-
-    z[:, p] = hist[:, p] for p < W - 1, else the chunk's row p - (W - 1); y = sum_w w[:, w] z[:, t + w]. The
-    history part uses the weights shifted by t (read from memory, not a register shift)."""
-    rw = tl.arange(0, WB)
-    # history columns p in [t, W-2] pair with weight column p - t
-    wsh = tl.load(cw_ptr + ch[:, None] * W + (rw[None, :] - t), mask=(rw[None, :] >= t) & (rw[None, :] < W - 1),
-                  other=0.0).to(tl.float32)
-    y = tl.sum(hist * wsh, axis=1)
-    # window column w >= W-1-t reads chunk row t + w - (W - 1)
-    xm = (rw[None, :] + t >= W - 1) & (rw[None, :] < W)
-    row = t0 + t + rw[None, :] - (W - 1)
-    xw = tl.load(x_ptr + row.to(tl.int64) * x_stride + ch[:, None], mask=xm, other=0.0).to(tl.float32)
-    wt = tl.load(cw_ptr + ch[:, None] * W + rw[None, :], mask=rw[None, :] < W, other=0.0).to(tl.float32)
-    y += tl.sum(xw * wt, axis=1)
+def _conv_block(x_ptr, x_stride, cw_ptr, cs, ch, t0, tb0, L, init, CH: tl.constexpr, W: tl.constexpr,
+                TB: tl.constexpr):
+    """SiLU of the short conv over channels `ch` [CH] for the sequence's tokens tb0 .. tb0 + TB - 1 (rows past
+    L are zero): y[t] = sum_w w[:, w] z[:, t + w] over z = [history | chunk], with every load issued at once
+    (the history from the conv state, read before this program writes any slot, the chunk rows from qkv)."""
+    rt = tb0 + tl.arange(0, TB)
+    live = rt < L
+    y = tl.zeros([TB, CH], dtype=tl.float32)
+    for w in tl.static_range(W):
+        p = rt + w  # position in z
+        wc = tl.load(cw_ptr + ch * W + w).to(tl.float32)
+        xm = live & (p >= W - 1)
+        xv = tl.load(x_ptr + (t0 + p - (W - 1))[:, None] * x_stride + ch[None, :], mask=xm[:, None], other=0.0)
+        hm = live & (p < W - 1) & (init != 0)
+        hv = tl.load(cs + ch[None, :] * (W - 1) + p[:, None], mask=hm[:, None], other=0.0)
+        y += (xv.to(tl.float32) + hv.to(tl.float32)) * wc[None, :]
     return y * tl.sigmoid(y)
 
 
@@ -73,7 +82,7 @@ def _kda_verify_kernel(
     cks_ptr, cko_ptr, ckl_ptr, gate_ptr, onw_ptr, out_ptr,
     qkv_stride, cs_stride, pool_stride, bl_stride, gt_stride, scale, lower_bound, eps, H, NCK, B, N,
     K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WB: tl.constexpr, HAS_INIT: tl.constexpr,
-    HAS_LB: tl.constexpr, BCK: tl.constexpr, NORM_GATE: tl.constexpr,
+    HAS_LB: tl.constexpr, BCK: tl.constexpr, NORM_GATE: tl.constexpr, TB: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -113,45 +122,61 @@ def _kda_verify_kernel(
         if NORM_GATE:
             onw = tl.load(onw_ptr + rv).to(tl.float32)
         own_ck = slot * 0  # an export of this sequence went to its own slot: it replaces the final write
-        for t in range(0, L):
-            q = _conv_token(qkv_ptr, qkv_stride, cw_ptr, hq, qch, t0, t, W, WB)
-            k = _conv_token(qkv_ptr, qkv_stride, cw_ptr, hk, kch, t0, t, W, WB)
-            v = _conv_token(qkv_ptr, qkv_stride, cw_ptr, hv, vch, t0, t, W, WB)
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-            row = t0 + t
-            z = tl.load(rg_ptr + (row * H + h) * K + rk).to(tl.float32) + dtb
+        rt0 = tl.arange(0, TB)
+        for tb0 in range(0, L, TB):  # blocks of TB tokens: inputs of the whole block loaded and mapped at once
+            rt = tb0 + rt0
+            live = rt < L
+            rows = t0 + rt
+            q_b = _conv_block(qkv_ptr, qkv_stride, cw_ptr, cs, qch, t0, tb0, L, init, K, W, TB)
+            k_b = _conv_block(qkv_ptr, qkv_stride, cw_ptr, cs, kch, t0, tb0, L, init, K, W, TB)
+            v_b = _conv_block(qkv_ptr, qkv_stride, cw_ptr, cs, vch, t0, tb0, L, init, V, W, TB)
+            q_b = q_b * (tl.rsqrt(tl.sum(q_b * q_b, axis=1) + 1e-6) * scale)[:, None]
+            k_b = k_b * tl.rsqrt(tl.sum(k_b * k_b, axis=1) + 1e-6)[:, None]
+            z = tl.load(rg_ptr + (rows * H + h)[:, None] * K + rk[None, :], mask=live[:, None], other=0.0)
+            z = z.to(tl.float32) + dtb[None, :]
             if HAS_LB:
                 g = lower_bound * tl.sigmoid(a * z)
             else:
                 g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-            beta = tl.sigmoid(tl.load(bl_ptr + row * bl_stride + h).to(tl.float32))
-            S = S * tl.exp(g)[None, :]
-            u = beta * (v - tl.sum(S * k[None, :], axis=1))
-            S = S + u[:, None] * k[None, :]
-            o = tl.sum(S * q[None, :], axis=1)
+            e_b = tl.exp(g)
+            beta_b = tl.sigmoid(tl.load(bl_ptr + rows * bl_stride + h, mask=live, other=0.0).to(tl.float32))
+            o_b = tl.zeros([TB, V], dtype=tl.float32)
+            for t in range(tb0, tl.minimum(tb0 + TB, L)):
+                sel = rt == t
+                q = tl.sum(tl.where(sel[:, None], q_b, 0.0), axis=0)
+                k = tl.sum(tl.where(sel[:, None], k_b, 0.0), axis=0)
+                v = tl.sum(tl.where(sel[:, None], v_b, 0.0), axis=0)
+                e = tl.sum(tl.where(sel[:, None], e_b, 0.0), axis=0)
+                beta = tl.sum(tl.where(sel, beta_b, 0.0), axis=0)
+                S = S * e[None, :]
+                u = beta * (v - tl.sum(S * k[None, :], axis=1))
+                S = S + u[:, None] * k[None, :]
+                o = tl.sum(S * q[None, :], axis=1)
+                o_b = tl.where(sel[:, None], o[None, :], o_b)
+                # exports of (this sequence, offset t + 1), in the order of the triples
+                for c0 in range(0, NCK, BCK):
+                    jj = c0 + tl.arange(0, BCK)
+                    jm = jj < NCK
+                    hit = jm & (tl.load(cks_ptr + jj, mask=jm, other=-1) == b)
+                    hit = hit & (tl.load(cko_ptr + jj, mask=jm, other=-1) == t + 1)
+                    nhit = tl.sum(hit.to(tl.int32), axis=0)
+                    while nhit > 0:
+                        j = tl.min(tl.where(hit, jj, NCK + BCK), axis=0)
+                        ck = tl.load(ckl_ptr + j).to(tl.int64)
+                        tl.store(pool_ptr + ck * pool_stride + pool_off, S.to(pool_ptr.dtype.element_ty))
+                        dst = cs_ptr + ck * cs_stride
+                        _conv_window_store(dst, qkv_ptr, qkv_stride, hq, qch, t0, t + 1, W, WB)
+                        _conv_window_store(dst, qkv_ptr, qkv_stride, hk, kch, t0, t + 1, W, WB)
+                        _conv_window_store(dst, qkv_ptr, qkv_stride, hv, vch, t0, t + 1, W, WB)
+                        own_ck = tl.where(ck == slot, 1, own_ck)
+                        hit = hit & (jj != j)
+                        nhit -= 1
             if NORM_GATE:  # the layer's gated RMSNorm over V, as kda_decode's output
-                gt = tl.load(gate_ptr + row * gt_stride + h * V + rv).to(tl.float32)
-                o = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + eps) * onw * tl.sigmoid(gt)
-            tl.store(out_ptr + (row * H + h) * V + rv, o.to(out_ptr.dtype.element_ty))
-            # exports of (this sequence, offset t + 1), in the order of the triples
-            for c0 in range(0, NCK, BCK):
-                jj = c0 + tl.arange(0, BCK)
-                jm = jj < NCK
-                hit = jm & (tl.load(cks_ptr + jj, mask=jm, other=-1) == b)
-                hit = hit & (tl.load(cko_ptr + jj, mask=jm, other=-1) == t + 1)
-                nhit = tl.sum(hit.to(tl.int32), axis=0)
-                while nhit > 0:
-                    j = tl.min(tl.where(hit, jj, NCK + BCK), axis=0)
-                    ck = tl.load(ckl_ptr + j).to(tl.int64)
-                    tl.store(pool_ptr + ck * pool_stride + pool_off, S.to(pool_ptr.dtype.element_ty))
-                    dst = cs_ptr + ck * cs_stride
-                    _conv_window_store(dst, qkv_ptr, qkv_stride, hq, qch, t0, t + 1, W, WB)
-                    _conv_window_store(dst, qkv_ptr, qkv_stride, hk, kch, t0, t + 1, W, WB)
-                    _conv_window_store(dst, qkv_ptr, qkv_stride, hv, vch, t0, t + 1, W, WB)
-                    own_ck = tl.where(ck == slot, 1, own_ck)
-                    hit = hit & (jj != j)
-                    nhit -= 1
+                gt = tl.load(gate_ptr + rows[:, None] * gt_stride + h * V + rv[None, :], mask=live[:, None],
+                             other=0.0).to(tl.float32)
+                o_b = o_b * tl.rsqrt(tl.sum(o_b * o_b, axis=1) / V + eps)[:, None] * onw[None, :] * tl.sigmoid(gt)
+            tl.store(out_ptr + (rows * H + h)[:, None] * V + rv[None, :], o_b.to(out_ptr.dtype.element_ty),
+                     mask=live[:, None])
         if own_ck == 0:
             tl.store(pool_ptr + slot * pool_stride + pool_off, S.to(pool_ptr.dtype.element_ty))
             _conv_window_store(cs, qkv_ptr, qkv_stride, hq, qch, t0, L, W, WB)
@@ -224,6 +249,6 @@ def kda_verify_triton(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta
         K ** -0.5 if scale is None else float(scale), 0.0 if lower_bound is None else float(lower_bound),
         float(eps), H, nck, B, N,
         K=K, V=V, W=W, WB=next_pow2(W), HAS_INIT=init is not None, HAS_LB=lower_bound is not None,
-        BCK=min(64, next_pow2(max(nck, 1))), NORM_GATE=norm_gate, num_warps=num_warps or (8 if K * V >= 128 * 64 else 4),
+        BCK=min(64, next_pow2(max(nck, 1))), NORM_GATE=norm_gate, TB=max(TOKEN_BLOCK, next_pow2(W - 1)), num_warps=num_warps or (8 if K * V >= 128 * 64 else 4),
     )  # fmt: skip
     return out
