@@ -293,7 +293,8 @@ def simulate_acceptance(w, cfg: K3Config, seqs: torch.Tensor, prompt_len: int, k
     """Greedy speculative decoding with the MTP drafter replayed on the target's greedy sequences
     `seqs` `[B, L]` (prompt `[:prompt_len]`, the rest the target's greedy tokens): after the prompt's
     first token the drafter drafts k at anchor p (the last verified pair), the target accepts the
-    leading drafts that equal its tokens (a) plus one of its own, and the next anchor is p + 1 + a.
+    leading drafts that equal its tokens (a) plus one of its own, and the next anchor is p + 1 + a; drafts
+    are capped at the tokens left - 1 (no drafts for the last one), as workers/engine/scheduler.py does.
     Per k: mean accepted length (tokens per verify step), per-position acceptance, verify steps."""
     K = max(ks)
     L = seqs.shape[1]
@@ -314,7 +315,10 @@ def simulate_acceptance(w, cfg: K3Config, seqs: torch.Tensor, prompt_len: int, k
         for row in lead.tolist():
             p, produced = prompt_len - 1, 1  # the prefill produced x_P; anchor P-1
             while prompt_len + produced < end:
-                a = min(row[p], k, end - (prompt_len + produced) - 1)
+                cap = min(k, end - (prompt_len + produced) - 1)  # as the scheduler caps drafts (_drafts)
+                if cap <= 0:  # the last token: a plain decode step, no drafts
+                    break
+                a = min(row[p], cap)
                 steps += 1
                 accepted += a
                 for i in range(a):
@@ -429,7 +433,9 @@ def write_card(model_dir: Path) -> None:
 
     results = json.loads((model_dir / "results.json").read_text())
     text = model_card(results)
-    if results.get("mtp_distill"):
+    if results.get("mtp_distill"):  # card.py's MTP line measured the pretrained layer
+        text = text.replace("* MTP layer, teacher-forced top-1", "* MTP layer as pretrained (before the "
+                            "distillation below), teacher-forced top-1")
         text += "\n" + distill_card(results["mtp_distill"])
     (model_dir / "README.md").write_text(text)
 
@@ -449,13 +455,19 @@ def distill_card(rec: dict) -> str:
             "mix": f"half random training-split windows, half the target's greedy continuations of "
                    f"{rec.get('greedy_seqs')} training-split prompts of {rec.get('greedy_prompt')} tokens"}[rec["data"]]
     ks = sorted(a["replay"], key=int)
+    greedy_opts = (f" --greedy-seqs {rec['greedy_seqs']} --greedy-prompt {rec['greedy_prompt']}"
+                   if rec.get("greedy_prompt") else "")
     lines = [
         "## MTP drafter: self-distilled",
         "",
         "The MTP layer was trained again with the target frozen (its tensors are bit-identical to the "
         "pretrained checkpoint's): KL divergence to the target's own next-token distribution, "
         f"unrolled over {rec['unroll']} recursive draft steps (step weights {rec['step_weights']}), as "
-        "workers/model/train/distill_mtp.py describes.",
+        "workers/model/train/distill_mtp.py describes. Reproduce: `bash scripts/distill_mtp_device.sh` on the lent "
+        "H200 (its header: the variants, then `--apply-mtp` here), or `python scripts/train_demo_model.py "
+        f"--distill-mtp --init models/k3-demo-stdlib --out DIR --data {rec['data']} --unroll {rec['unroll']} "
+        f"--steps {rec['steps']}{greedy_opts}` "
+        "on any GPU (the same recipe; its random batches differ from a --variants run's).",
         f"* Data: {data}; {rec['steps']} steps of {rec['batch']}x{rec['seq']} tokens, AdamW lr {rec['lr']} "
         f"(warm-up, cosine), {rec['train_seconds']} s (KDA: {rec['kda_impl']}).",
         f"* Final KL per draft step {fin.get('kl')}, top-1 agreement with the target per step "
@@ -478,9 +490,9 @@ def distill_card(rec: dict) -> str:
                   "replayed accepted length at k = 3 (held-out code):", ""]
         lines += [f"* {v['data']}, unroll {v['unroll']}: {v['steps']} steps, {_replay_line(v['after'], '3')}"
                   for v in rec["compare"]]
+    lines += [f"* {n}" for n in rec.get("notes", [])]
     if rec.get("cpu_benchmark"):
-        lines += ["", "`benchmarks/spec_decode.py` on the CPU " + rec["cpu_benchmark"]["command"], "",
-                  *rec["cpu_benchmark"]["table"]]
+        lines += ["", rec["cpu_benchmark"]["text"], "", *rec["cpu_benchmark"]["table"]]
     lines.append("")
     return "\n".join(lines)
 
