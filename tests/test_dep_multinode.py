@@ -137,55 +137,77 @@ def _wait(cond, timeout_s=30.0):
     raise AssertionError("condition not reached")
 
 
-def test_serving_leader_per_rank_metrics_and_node_death(dep_model):
+def _long_request(grpc_addr, rid, prompt, streams):
+    """A 400-token greedy request over gRPC in a thread (its stream ends when the leader goes)."""
+    sp = sampling_to_proto(dict(temperature=0.0, max_tokens=400, ignore_eos=True))
+
+    def run():
+        with grpc.insecure_channel(grpc_addr) as ch:
+            s = pb_grpc.WorkerStub(ch).Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                                                   sampling_params=sp), timeout=120)
+            streams.append(s)
+            try:
+                for _ in s:
+                    pass
+            except grpc.RpcError:  # cancelled, or the leader exits
+                pass
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_serving_leader_per_rank_metrics_and_node_death(dep_model, how):
+    """killed: the node's sockets close; frozen (SIGSTOP mid-decode, its sockets stay open and a collective
+    waits on it): the node link's silence fails the collective's wait (RankGroup.watch), not its 30 s timeout."""
     leader, grpc_addr, lurl, node, _ = _start_group(dep_model)
     try:
         g = _wait(lambda: (lambda g: g if len(g) == 4 else None)(_rank_gauges(lurl)))  # 2 gauges x 2 ranks
         assert g[("num_requests_running", "0")] == g[("num_requests_running", "1")] == 0.0, g
-        sp = sampling_to_proto(dict(temperature=0.0, max_tokens=400, ignore_eos=True))
-        with grpc.insecure_channel(grpc_addr) as ch:
-            stub = pb_grpc.WorkerStub(ch)
-            streams = []
-
-            def run(rid, prompt):
-                s = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp),
-                                  timeout=120)
-                streams.append(s)
-                try:
-                    for _ in s:
-                        pass
-                except grpc.RpcError:  # cancelled, or the leader exits
-                    pass
-
-            threading.Thread(target=run, args=("a", list(range(3, 40))), daemon=True).start()
-            # a runs on rank 0 alone (the leader's own), then b goes to the idle remote rank 1
-            _wait(lambda: _rank_gauges(lurl).get(("num_requests_running", "0")) == 1.0)
-            assert _rank_gauges(lurl)[("num_requests_running", "1")] == 0.0
-            threading.Thread(target=run, args=("b", [(5 * i + 1) % 60 for i in range(30)]), daemon=True).start()
-            g = _wait(lambda: (lambda g: g if g.get(("num_requests_running", "1")) == 1.0 else None)(_rank_gauges(lurl)))
-            assert g[("num_requests_running", "0")] == 1.0 and g[("kv_cache_usage_perc", "1")] > 0.0, g
-            assert httpx.get(lurl + "/health", timeout=5).status_code == 200
-            t0 = time.monotonic()
+        streams = []
+        _long_request(grpc_addr, "a", list(range(3, 40)), streams)
+        # a runs on rank 0 alone (the leader's own), then b goes to the idle remote rank 1
+        _wait(lambda: _rank_gauges(lurl).get(("num_requests_running", "0")) == 1.0)
+        assert _rank_gauges(lurl)[("num_requests_running", "1")] == 0.0
+        _long_request(grpc_addr, "b", [(5 * i + 1) % 60 for i in range(30)], streams)
+        g = _wait(lambda: (lambda g: g if g.get(("num_requests_running", "1")) == 1.0 else None)(_rank_gauges(lurl)))
+        assert g[("num_requests_running", "0")] == 1.0 and g[("kv_cache_usage_perc", "1")] > 0.0, g
+        assert httpx.get(lurl + "/health", timeout=5).status_code == 200
+        t0 = time.monotonic()
+        if how == "killed":
             node.kill_tree()  # the node pod dies mid-decode: its rank and the node process
-            leader.p.wait(10)
-            took = time.monotonic() - t0
+        else:
+            os.killpg(node.p.pid, signal.SIGSTOP)
+        leader.p.wait(10)
+        took = time.monotonic() - t0
     finally:
         leader.kill_tree()
         node.kill_tree()
     assert leader.p.returncode not in (None, 0) and took < 10, (took, leader.output())
-    assert re.search(r"data-parallel rank 1 exited \(status lost: its node \(\S+\) closed the connection",
-                     leader.output()), leader.output()
+    why = "closed the connection" if how == "killed" else r"was silent for"
+    assert re.search(rf"data-parallel rank 1 exited \(status lost: its node \(\S+\) {why}", leader.output()), \
+        leader.output()
 
 
-def test_leader_death_makes_the_dep_node_exit(dep_model):
-    leader, _, _, node, nurl = _start_group(dep_model)
+@pytest.mark.parametrize("how", ["killed", "frozen-mid-decode"])
+def test_leader_death_makes_the_dep_node_exit(dep_model, how):
+    """killed (idle): the link closes; frozen mid-decode: the rank waits in a collective on the leader, and the
+    link's silence (RankGroup.watch) ends the wait."""
+    leader, grpc_addr, lurl, node, nurl = _start_group(dep_model)
     try:
         assert httpx.get(nurl + "/health", timeout=5).status_code == 200
+        if how != "killed":
+            _long_request(grpc_addr, "a", list(range(3, 40)), [])
+            _wait(lambda: _rank_gauges(lurl).get(("num_requests_running", "0")) == 1.0)
         t0 = time.monotonic()
-        leader.kill_tree()
+        if how == "killed":
+            leader.kill_tree()
+        else:
+            os.killpg(leader.p.pid, signal.SIGSTOP)
         node.p.wait(10)
         assert node.p.returncode == 1 and time.monotonic() - t0 < 10, node.output()
         assert "rank 1 exited (status 1); stopping this node" in node.output()
+        if how != "killed":
+            assert "data-parallel rank 1: the group leader" in node.output() and "was silent for" in node.output()
     finally:
         leader.kill_tree()
         node.kill_tree()

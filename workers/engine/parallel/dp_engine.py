@@ -210,7 +210,29 @@ def start_dp_runner(ctx: DPContext, args, cfg, weights, layout, num_blocks: int,
                             max_model_len=max_model_len, peers=ctx.peers if ctx.rank == 0 else ())
     runner.store = store  # kept alive: the group's rendezvous
     runner.rank_threads = threads if ctx.rank == 0 else threads[:1]
+    _watch_links(ctx, group, runner)
     return runner
+
+
+def _watch_links(ctx: DPContext, group: RankGroup, runner: DEPModelRunner) -> None:
+    """Over nodes, a collective waiting on a frozen node (no FIN: its sockets stay open) would wait the
+    collectives' timeout (30 s); the group's watch (workers/engine/parallel/group.py) fails it once the node
+    link says the peer is lost (HEARTBEAT_TIMEOUT_S of silence, workers/engine/parallel/nodes.py): on the
+    leader any rank on another node, on such a rank its leader."""
+    from k3serve.workers.engine.parallel.nodes import LeaderLink, RemoteRank
+
+    if ctx.rank == 0 and any(isinstance(proc, RemoteRank) for _r, proc, _c in ctx.peers):
+        group.watch = runner.check_peers  # RankFailedError naming the lost rank (the others stopped)
+    elif isinstance(ctx.conn, LeaderLink):
+        link = ctx.conn
+
+        def leader_alive() -> None:
+            try:
+                link.check()
+            except EOFError as e:
+                raise RankFailedError(f"data-parallel rank {ctx.rank}: {e}") from None
+
+        group.watch = leader_alive
 
 
 # -- what every rank's engine does for the front -----------------------------------------------------

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
+WATCH_S = 1.0  # how often a waiting collective calls RankGroup.watch (when set)
 
 
 class RendezvousError(ConnectionError):
@@ -55,7 +56,12 @@ def join_store(port: int, world_size: int, timeout_s: float, host: str = LOOPBAC
 
 class RankGroup:
     """rank / size and the collectives, each blocking (`.wait()`); a peer that died makes them raise
-    (its sockets close), a peer that hangs makes them raise after `timeout_s`."""
+    (its sockets close), a peer that hangs makes them raise after `timeout_s`. With `watch` set (a DEP group
+    spanning nodes: workers/engine/parallel/dp_engine.py), a collective still waiting calls it every WATCH_S,
+    so a peer known lost (its node silent: workers/engine/parallel/nodes.py) fails the wait before
+    `timeout_s` (watch raises; a gloo wait cannot be aborted otherwise)."""
+
+    watch = None  # () -> None, raises when the group cannot complete
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, host: str = LOOPBACK):
         opts = dist.ProcessGroupGloo._Options()
@@ -65,6 +71,19 @@ class RankGroup:
         self.rank, self.size = rank, size
         self.log: list[tuple[str, tuple[int, ...], int]] | None = None
 
+    def _wait(self, work) -> None:
+        if self.watch is None:
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(datetime.timedelta(seconds=WATCH_S))
+                return
+            except RuntimeError as e:  # this wait's own bound only: the collective is still running
+                if str(e) != "Operation timed out!":
+                    raise
+            self.watch()
+
     def _record(self, name: str, t: torch.Tensor) -> None:
         if self.log is not None:
             self.log.append((name, tuple(t.shape), t.element_size()))
@@ -73,7 +92,7 @@ class RankGroup:
         """Sum over the ranks, in place (t must be contiguous); returns t."""
         t = t.contiguous()
         self._record("all_reduce", t)
-        self.pg.allreduce([t]).wait()
+        self._wait(self.pg.allreduce([t]))
         return t
 
     def all_gather_cat(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -81,7 +100,7 @@ class RankGroup:
         t = t.contiguous()
         self._record("all_gather", t)
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self.pg.allgather([out], [t]).wait()
+        self._wait(self.pg.allgather([out], [t]))
         return torch.cat(out, dim=dim)
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +110,7 @@ class RankGroup:
             raise ValueError(f"reduce_scatter: {t.shape[0]} rows do not split over {self.size} ranks")
         self._record("reduce_scatter", t)
         out = t.new_empty((t.shape[0] // self.size, *t.shape[1:]))
-        self.pg._reduce_scatter_base(out, t).wait()
+        self._wait(self.pg._reduce_scatter_base(out, t))
         return out
 
     def all_to_all(self, t: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
@@ -102,6 +121,6 @@ class RankGroup:
             self.log.append(("all_to_all", (int(sum(send_counts)) - int(send_counts[self.rank]), *t.shape[1:]),
                              t.element_size()))
         out = t.new_empty((int(sum(recv_counts)), *t.shape[1:]))
-        self.pg.alltoall_base(out, t, [int(c) for c in recv_counts], [int(c) for c in send_counts],
-                              dist.AllToAllOptions()).wait()
+        self._wait(self.pg.alltoall_base(out, t, [int(c) for c in recv_counts], [int(c) for c in send_counts],
+                                         dist.AllToAllOptions()))
         return out

@@ -162,12 +162,13 @@ class _Link:
             self.conn.send_bytes(data)
 
     def _read(self, timeout_s: float) -> bool:
-        """Read frames for up to `timeout_s`; True once a message is buffered or the link is closed."""
+        """Read frames for up to `timeout_s`; True once a message is buffered or the link is closed. Every
+        frame already there is drained (heartbeats too, also behind a buffered message: last_heard is fresh)."""
         deadline = time.monotonic() + timeout_s
-        while not self.buffered and not self.closed:  # every heartbeat already there is drained
+        while not self.closed:
             try:
-                if not self.conn.poll(max(0.0, deadline - time.monotonic())):
-                    return False
+                if not self.conn.poll(0.0 if self.buffered else max(0.0, deadline - time.monotonic())):
+                    break
                 frame = self.conn.recv_bytes()
             except (EOFError, OSError, ValueError):
                 self.closed = True
@@ -314,6 +315,15 @@ class LeaderLink(_Link):
         """A message waiting (or the link closed: recv then raises), as Connection.poll: rank_main's wait
         for the next step while a P/D pull of this rank runs."""
         return self._read(timeout_s)
+
+    def check(self) -> None:
+        """EOFError if the leader is gone: the link closed, or silent for HEARTBEAT_TIMEOUT_S (heartbeats
+        drained first). For a rank waiting in a collective (RankGroup.watch, dp_engine.py)."""
+        self._read(0.0)
+        if self.closed:
+            raise EOFError(f"the group leader {self.peer} closed the connection")
+        if self.silent_for() > HEARTBEAT_TIMEOUT_S:
+            raise EOFError(f"the group leader {self.peer} was silent for {self.silent_for():.1f} s")
 
     def recv(self):
         while True:
