@@ -119,8 +119,8 @@ def rejection_sample(
     rows = torch.arange(n, device=dev)
     p_final = target_probs[rows, num_accepted]  # [N, V]
     rejected = num_accepted < num_draft
-    if bool(rejected.any()):
-        pos = num_accepted.clamp(max=max(k - 1, 0))
+    if k > 0:  # (computed for every row, used where rejected: no host read of `rejected`)
+        pos = num_accepted.clamp(max=k - 1)
         if draft_probs is None:
             residual = p_final.clone()
             d = draft_token_ids[rows, pos]
@@ -194,12 +194,12 @@ class RejectionSampler:
             argmax_flat = x.argmax(dim=-1)
             acc, fin = greedy_verify(argmax_flat[idx], _drafts(greedy, draft_token_ids, k_max, dev),
                                      _long([counts[i] for i in greedy], dev))
-            for i, a, f in zip(greedy, acc.tolist(), fin.tolist()):
+            for i, (a, f) in zip(greedy, torch.stack([acc, fin], 1).tolist()):  # one device->host copy
                 num_accepted[i], final[i] = a, f
         if random_rows:
             acc, fin = self._sample_random(x, states, random_rows, draft_token_ids, draft_probs,
                                            starts, counts, k_max)
-            for i, a, f in zip(random_rows, acc.tolist(), fin.tolist()):
+            for i, (a, f) in zip(random_rows, torch.stack([acc, fin], 1).tolist()):
                 num_accepted[i], final[i] = a, f
 
         token_ids = [list(draft_token_ids[i][: num_accepted[i]]) + [final[i]] for i in range(n)]
