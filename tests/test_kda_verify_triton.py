@@ -93,7 +93,9 @@ sys.path.insert(0, {tests!r})
 from _kda_verify_cases import case
 from k3serve.kernels.triton.aot_check import capture_compiles
 from k3serve.kernels.triton import kda_verify as tkv
-inputs, kw = case(random.Random(2), 2, static=True, heads=(3,), dims=(64,))
+seed = next(s for s in range(100) if case(random.Random(s), s, static=True, heads=(3,), dims=(64,))[0]
+            ["conv_weight"].shape[-1] == 4)  # the demo model's layer: 3 heads of 64, conv width 4
+inputs, kw = case(random.Random(seed), seed, static=True, heads=(3,), dims=(64,))
 for n in ("qkv", "raw_g", "beta_logit", "conv_states"):
     inputs[n] = inputs[n].to(torch.bfloat16)
 N, h, _ = inputs["raw_g"].shape
@@ -107,7 +109,7 @@ for extra in ({{}}, dict(gate=torch.zeros(N, h * V, dtype=torch.bfloat16), o_nor
 
 
 def test_kernel_compiles_for_sm90_without_spills():
-    """The compiled (not interpreted) kernel for an H200 (sm_90) at the demo model's sizes: Triton's full
+    """The compiled (not interpreted) kernel for an H200 (sm_90) at the demo model's sizes (default warps): Triton's full
     pipeline through ptxas on this CPU (kernels/triton/aot_check.py), in a process without the interpreter."""
     import os
     import subprocess

@@ -249,6 +249,7 @@ def kda_verify_triton(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta
         K ** -0.5 if scale is None else float(scale), 0.0 if lower_bound is None else float(lower_bound),
         float(eps), H, nck, B, N,
         K=K, V=V, W=W, WB=next_pow2(W), HAS_INIT=init is not None, HAS_LB=lower_bound is not None,
-        BCK=min(64, next_pow2(max(nck, 1))), NORM_GATE=norm_gate, TB=max(TOKEN_BLOCK, next_pow2(W - 1)), num_warps=num_warps or (8 if K * V >= 128 * 64 else 4),
+        BCK=min(64, next_pow2(max(nck, 1))), NORM_GATE=norm_gate, TB=max(TOKEN_BLOCK, next_pow2(W - 1)),
+        num_warps=num_warps or (8 if K * V >= 64 * 64 else 4),  # sm_90: 8 warps keep K=V=64 free of spills
     )  # fmt: skip
     return out
