@@ -43,7 +43,8 @@ SHAPES = {  # name: (E, topk, DIN, I, DOUT)
 # kernels (~1-3 s each), so keep this list short; `programs` and `variant="auto"` do not recompile. "gemv" rows
 # run only where T * topk <= moe.AUTO_GEMV_MAX_PAIRS (where "auto" takes that path), "dot" rows from 64 pairs.
 CONFIGS = [
-    ("gemv combine=atomic", dict(variant="gemv", combine="atomic")),
+    ("gemv (defaults)", dict(variant="gemv")),
+    ("gemv atomic bk1=512 bk2=128 (session 4 tiles)", dict(variant="gemv", combine="atomic", bk1=512, bk2=128)),
     ("gemv combine=loop", dict(variant="gemv", combine="loop")),
     ("gemv combine=unroll", dict(variant="gemv", combine="unroll")),
     ("gemv unroll bn2=8 bk2=1024", dict(variant="gemv", combine="unroll", bn2=8, bk2=1024)),
@@ -163,7 +164,8 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.time()
     print(f"# device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"moe.DEFAULT_VARIANT={moe.DEFAULT_VARIANT!r} AUTO_GEMV_MAX_PAIRS={moe.AUTO_GEMV_MAX_PAIRS}", flush=True)
+          f"moe.DEFAULT_VARIANT={moe.DEFAULT_VARIANT!r} AUTO_GEMV_MAX_PAIRS={moe.AUTO_GEMV_MAX_PAIRS} "
+          f"GEMV_COMBINE={moe.GEMV_COMBINE!r} GEMV_WIDE_K_MAX_PAIRS={moe.GEMV_WIDE_K_MAX_PAIRS}", flush=True)
     bw = print_copy_bandwidth()
     rows: list[list] = []
     for name in args.only:

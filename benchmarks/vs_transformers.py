@@ -14,7 +14,8 @@ For every batch size, the same mixed-length prompts (lengths uniform in [--min-l
   (its recurrent KDA state, conv state and MLA cache), EOS off, exactly --new-tokens new tokens; with
   FLA's kernels where `fla` imports (GPU), otherwise its exact PyTorch path (`--no-fla` forces that);
 * the engine: all prompts submitted at once, greedy, `ignore_eos`, --new-tokens each (its defaults:
-  continuous batching, chunked prefill, `max_num_seqs` = the batch).
+  continuous batching, chunked prefill, `max_num_seqs` = the batch); `--max-num-batched-tokens N M ...` gives
+  one engine row per token budget against the same transformers timing (default: the engine's own default).
 
 Each side is warmed up once (a small batch), then timed `--repeats` times alternately (the best time
 counts, so a noisy neighbour hurts neither side more). Printed per batch size: both sides' generated

@@ -81,12 +81,12 @@ def test_errors():
         moe.moe_experts_triton(z, tw, ids, **kw, variant="gemv", combine="sum")
 
 
-@pytest.mark.parametrize("combine", moe.COMBINES)
-@pytest.mark.parametrize("T,fp4,dt,knobs", [
-    (1, (True, True), torch.float32, {}),
-    (3, (True, True), torch.bfloat16, dict(bn2=8, bk2=256)),
-    (4, (False, True), torch.float32, dict(bn1=8, bk1=256)),
-    (2, (False, False), torch.float32, {}),
+@pytest.mark.parametrize("combine,T,fp4,dt,knobs", [
+    *[(c, 1, (True, True), torch.float32, {}) for c in moe.COMBINES],
+    ("unroll", 3, (True, True), torch.bfloat16, dict(bn2=8, bk2=256)),
+    ("loop", 3, (True, True), torch.float32, {}),
+    ("atomic", 4, (False, True), torch.float32, dict(bn1=8, bk1=256)),
+    ("unroll", 2, (False, False), torch.float32, {}),
 ])
 def test_gemv_combines(combine, T, fp4, dt, knobs):
     """Every combine of the "gemv" path (and the tiles the sweep tries) equals the reference, with invalid pairs
@@ -104,3 +104,18 @@ def test_default_combine_is_used(monkeypatch):
     z, tw, ids, kw = V._case(2, 6, 2, 64, 32, 48, (True, True), seed=7)
     V._check(z, tw, ids, kw, torch.float32, "silu", None, dict(variant="gemv"))
     assert seen == [moe.GEMV_COMBINE] and moe.GEMV_COMBINE in moe.COMBINES
+
+
+def test_gemv_tiles_wide_k_for_few_pairs():
+    """Up to GEMV_WIDE_K_MAX_PAIRS pairs with both K's <= GEMV_WIDE_K (the small preset at batch 1): one K tile;
+    more pairs, dense weights or the K3 shape (DIN 3584): the default tiles; a given knob always wins."""
+    def tiles(DIN, I, pairs, fp4=True, **kn):
+        t, _ = moe._tiles("gemv", fp4, fp4, DIN, I, kn.get("bn1"), kn.get("bk1"), None, kn.get("bk2"), None,
+                          fill=(pairs, 1024, 132, 16, pairs))
+        return t
+    assert tiles(1024, 768, 8) == (16, 1024, 32, 1024)
+    assert tiles(1024, 768, 16)[1::2] == (1024, 1024)
+    assert tiles(1024, 768, 64)[1::2] == (512, 128)
+    assert tiles(3584, 384, 16)[1::2] == (512, 128)
+    assert tiles(1024, 768, 8, fp4=False)[1::2] == (64, 64)
+    assert tiles(1024, 768, 8, bk1=256)[1::2] == (256, 1024)

@@ -608,8 +608,16 @@ DEFAULT_VARIANT = "auto"  # H200 sweep: T=1 38 µs vs blocks 251, T=8 165 vs 102
 AUTO_GEMV_MAX_PAIRS = 128
 """variant="auto": "gemv" when T * topk <= this, else "dot"."""
 COMBINES = ("atomic", "loop", "unroll")
-GEMV_COMBINE = "unroll"
-"""The "gemv" path's combine when none is given (see `moe_experts_triton`)."""
+GEMV_COMBINE = "atomic"
+"""The "gemv" path's combine when none is given (see `moe_experts_triton`). H200, small preset, graph-timed
+(benchmarks/sweep_moe.py, docs/kernels-notes.md session 6): T=1 atomic 22.2 µs vs loop 40.2 / unroll 38.6
+(one program per token walks its pairs' weights one after another: too few loads in flight); T=8 60.2 vs
+82.2 / 81.2."""
+GEMV_WIDE_K = 1024
+GEMV_WIDE_K_MAX_PAIRS = 16
+"""Up to this many routed pairs, with MXFP4 weights whose K (DIN and I) both fit in GEMV_WIDE_K, each "gemv"
+kernel takes its whole K in one tile (one round of loads; small preset T=1: 22.2 -> 19.7 µs, but T=8: 60.2
+-> 79.2, so only for the fewest pairs)."""
 
 # Default tiles (rows, K) per variant, gate/up then down, for MXFP4 and dense weights, and warps per kernel.
 # From the sm_90 compiles (aot_check): "gemv" (16, 512) / (128, 128) at 4 warps: ~5.7 / ~5.2 issued
@@ -622,19 +630,24 @@ _TILES = {"gemv": ((16, 512, 128, 128), (16, 64, 32, 64), (4, 4)),
 def _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps, fill=None):
     """Tile sizes and warps: the knobs where given, else the defaults, K tiles clamped to the problem.
 
-    `fill` = (rows of programs, DOUT, SMs, narrowest): the "gemv" down tile is narrowed (down to `narrowest`
-    rows) until the launch has at least one program per SM (the small preset at batch 1: 8 pairs x 1024 rows,
-    64 programs at 128 rows; rows of programs = routed pairs for "atomic", tokens for "loop"/"unroll").
+    `fill` = (rows of programs, DOUT, SMs, narrowest, routed pairs): the "gemv" down tile is narrowed (down to
+    `narrowest` rows) until the launch has at least one program per SM (the small preset at batch 1: 8 pairs x
+    1024 rows, 64 programs at 128 rows; rows of programs = routed pairs for "atomic", tokens for "loop"/"unroll");
+    up to GEMV_WIDE_K_MAX_PAIRS pairs the K tiles take the whole K (GEMV_WIDE_K).
     """
     f4, dense, warps = _TILES[variant]
     kmin = 32 if variant == "gemv" else 128  # an MXFP4 "dot" K tile gives tl.dot K = BK/8 >= 16
+    if (variant == "gemv" and fill is not None and fill[4] <= GEMV_WIDE_K_MAX_PAIRS and fp4_1 and fp4_2
+            and max(DIN, I) <= GEMV_WIDE_K):  # few pairs: the whole K in one tile (see GEMV_WIDE_K)
+        bk1 = bk1 or max(kmin, next_pow2(DIN))
+        bk2 = bk2 or max(kmin, next_pow2(I))
     bk1 = bk1 or (min(f4[1], max(kmin, next_pow2(DIN))) if fp4_1 else min(dense[1], max(16, next_pow2(DIN))))
     bk2 = bk2 or (min(f4[3], max(kmin, next_pow2(I))) if fp4_2 else min(dense[3], max(16, next_pow2(I))))
     bn1 = bn1 or (f4 if fp4_1 else dense)[0]
     if not bn2:
         bn2 = (f4 if fp4_2 else dense)[2]
         if variant == "gemv" and fill is not None:  # too few (pair, tile) programs to fill the SMs: narrower tiles
-            pairs, dout, sms, narrowest = fill
+            pairs, dout, sms, narrowest, _ = fill
             while bn2 > narrowest and pairs * -(-dout // bn2) < sms:
                 bn2 //= 2
     if num_warps is not None:
@@ -687,7 +700,7 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     if variant in ("gemv", "dot"):
         per_token = combine != "atomic"
         tiles, warps = _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps,
-                              fill=(T if per_token else P, DOUT, _num_sms(dev), 8 if per_token else 16))
+                              fill=(T if per_token else P, DOUT, _num_sms(dev), 8 if per_token else 16, P))
         if variant == "gemv":
             return _gemv_path(zc, tw, topk_ids, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, TOPK, act_args,
                               tiles, warps, num_stages, combine)
