@@ -212,7 +212,7 @@ class LLMEngine:
 
             self.runner.enable_speculation(self.spec_scheme, spec.num_speculative_tokens, args.max_num_seqs,
                                            keep_hidden=spec.method == "mtp")
-            self.proposer = build_proposer(spec, cfg, self.runner.model.w, self.dtype)
+            self.proposer = build_proposer(spec, cfg, self.runner.model.w, self.dtype, args.enforce_eager)
             self.rejection_sampler = RejectionSampler(self.sampler)
         self.structured = StructuredStage(lambda: self.tokenizer, cfg.vocab_size)  # workers/structured/stage.py
         self.seqs: dict[str, _Seq] = {}

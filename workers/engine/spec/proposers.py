@@ -384,10 +384,21 @@ class MTPProposer:
         self.reqs.pop(request_id, None)
 
 
-def build_proposer(spec, cfg, weights, dtype):
-    if spec.method == "ngram":
+def proposer_form(method: str, device_type: str, enforce_eager: bool) -> str:
+    """Which drafter the engine builds: "ngram" (NgramDrafter), "graph" (workers/engine/spec/mtp_graphs.py
+    GraphMTPProposer: fixed-shape steps replayed as CUDA graphs) or "eager" (MTPProposer). The graph form only
+    on CUDA and only without enforce_eager (EngineArgs.enforce_eager: no CUDA graphs anywhere, the target's
+    steps nor the drafter's)."""
+    if method == "ngram":
+        return "ngram"
+    return "graph" if device_type == "cuda" and not enforce_eager else "eager"
+
+
+def build_proposer(spec, cfg, weights, dtype, enforce_eager: bool = False):
+    form = proposer_form(spec.method, weights["model.embed_tokens.weight"].device.type, enforce_eager)
+    if form == "ngram":
         return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if weights["model.embed_tokens.weight"].is_cuda:  # fixed-shape steps replayed as CUDA graphs
+    if form == "graph":
         from k3serve.workers.engine.spec.mtp_graphs import GraphMTPProposer
 
         return GraphMTPProposer(cfg, weights, dtype, spec.num_speculative_tokens)
