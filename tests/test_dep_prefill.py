@@ -18,8 +18,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import threading
 import time
 
 import pytest
@@ -27,8 +25,9 @@ import pytest
 from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
-from tests.test_pd_hetero_tp import _decode, _rank_pids, _reference_logprobs
-from tests.test_pd_workers import _W, _sp, _start, _wait_ready, prefill_hop
+from tests._pd_hops import _decode, _reference_logprobs, _sp, _together, prefill_hop
+from tests._workers import _start, worker_group
+from tests.test_pd_hetero_tp import _rank_pids
 
 SEED = 6  # random_config(6): 4 KDA + 2 MLA layers (heads split over 2 TP ranks), 8 routed experts
 DEP = ["--data-parallel-size", "2", "--enable-expert-parallel"]
@@ -45,42 +44,8 @@ def pool(tmp_path_factory):
                           env_extra=POISON),
              "D3": _start(model, "decode", "--tensor-parallel-size", "2", "--block-size", "32",
                           "--kv-transfer-timeout", "5", env_extra=POISON)}
-    out = {}
-    try:
-        for k, p in procs.items():
-            out[k] = _W(p, *_wait_ready(p))
+    with worker_group(procs, stop_timeout=15) as out:
         yield model, out
-    finally:
-        for w in out.values():
-            w.channel.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def _together(fn, n):
-    """fn(i) for i in range(n), all at once (threads); the results in order (a failure re-raised)."""
-    res, errs = [None] * n, []
-
-    def run(i):
-        try:
-            res[i] = fn(i)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errs.append(e)
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    if errs:
-        raise errs[0]
-    return res
 
 
 def _hop(w, rid, prompt, max_new):
@@ -135,7 +100,6 @@ def test_dep2_prefill_to_tp1_dep2_and_tp2_decode_equals_reference(pool):
             break
         time.sleep(0.2)
     assert load.free_pages == load.total_pages, load
-
 
 
 def test_malformed_dp_ranks_in_transfer_metadata_are_refused():

@@ -8,8 +8,6 @@ request's KvTransferResult says "pulled" (rank 1's outcome reaches the gRPC laye
 from __future__ import annotations
 
 import random
-import signal
-import subprocess
 import threading
 import time
 
@@ -18,7 +16,8 @@ import pytest
 from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
-from tests.test_pd_workers import _W, _start, _wait_ready, decode_hop, prefill_hop
+from tests._pd_hops import decode_hop, prefill_hop
+from tests._workers import _start, worker_group
 
 SEED = 0  # random_config(0): LatentMoE (16 experts, norm, shared experts), AttnRes
 
@@ -29,22 +28,8 @@ def pair(tmp_path_factory):
     cache = ["--enable-prefix-caching", "--prefix-cache-retention-interval", "dense", "--block-size", "16"]
     procs = {"P": _start(d, "prefill", *cache),
              "D": _start(d, "decode", *cache, "--data-parallel-size", "2", "--enable-expert-parallel")}
-    out = {}
-    try:
-        for k, p in procs.items():
-            out[k] = _W(p, *_wait_ready(p))
+    with worker_group(procs, stop_timeout=15, expect_clean_exit=True) as out:
         yield d, out
-    finally:
-        for w in out.values():
-            w.channel.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                assert p.wait(15) == 0
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_pd_into_dep_decode_pulls_on_both_ranks(pair):

@@ -25,9 +25,10 @@ import grpc
 import pytest
 
 from k3serve.proto import worker_pb2 as pb
-from k3serve.proto.convert import kv_transfer_result_from_proto, sampling_to_proto
 from tests._engine_helpers import random_model_dir, reference_outputs
-from tests.test_pd_workers import _W, _listening_sockets, _sp, _start, _wait_ready, decode_hop, prefill_hop
+from tests._pd_hops import _decode, _reference_logprobs, _sp, decode_hop, prefill_hop
+from tests._workers import _start, worker_group
+from tests.test_pd_workers import _listening_sockets
 
 # random configs whose KDA and MLA heads split over 2 ranks: 23 (3 KDA layers + 1 MLA, MXFP4 experts sliced by
 # TP, tied vocabulary padded per rank), 41 (4 KDA + 1 MLA, whole experts per rank: --expert-parallel)
@@ -57,22 +58,8 @@ def pair(model, layout):
     procs = {"P": _start(model, "prefill", "--tensor-parallel-size", "2", "--block-size", "16", *layout[1], *CACHE),
              "D": _start(model, "decode", "--block-size", "32", "--kv-transfer-timeout", "5", *CACHE,
                          env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"})}
-    out = {}
-    try:
-        for k, p in procs.items():
-            out[k] = _W(p, *_wait_ready(p))
+    with worker_group(procs, stop_timeout=10) as out:
         yield out
-    finally:
-        for w in out.values():
-            w.channel.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 @pytest.fixture(scope="module")
@@ -82,47 +69,8 @@ def tp2_decode(model, layout):
     procs = {"P1": _start(model, "prefill", "--block-size", "16"),
              "D2": _start(model, "decode", "--tensor-parallel-size", "2", "--block-size", "32", *layout[1],
                           "--kv-transfer-timeout", "5", env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"})}
-    out = {}
-    try:
-        for k, p in procs.items():
-            out[k] = _W(p, *_wait_ready(p))
+    with worker_group(procs, stop_timeout=10) as out:
         yield out
-    finally:
-        for w in out.values():
-            w.channel.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def _decode(w, rid, prompt, max_new, kvp):
-    """The decode hop with the chosen tokens' logprobs: (tokens, logprobs, KvTransferResult)."""
-    kvp = pb.KvTransferParams.FromString(kvp.SerializeToString())
-    kvp.do_remote_prefill = True
-    sp = sampling_to_proto(dict(temperature=0.0, ignore_eos=True, max_tokens=max_new, logprobs=0))
-    resps = list(w.stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
-                                                    kv_transfer_params=kvp), timeout=120))
-    toks = [t for r in resps for o in r.outputs for t in o.token_ids]
-    lps = [tl.entries[0].logprob for r in resps for o in r.outputs for tl in o.logprobs]
-    assert resps[-1].finished and resps[-1].HasField("kv_transfer_result")
-    return toks, lps, kv_transfer_result_from_proto(resps[-1].kv_transfer_result)
-
-
-def _reference_logprobs(model_dir, prompt, toks) -> list[float]:
-    """The oracle's log-probabilities of `toks` after `prompt` (one full forward, no caches)."""
-    import torch
-
-    from k3serve.workers.model.reference import load_reference_model
-
-    m = load_reference_model(str(model_dir), dtype=torch.float64)
-    with torch.no_grad():
-        lp = torch.log_softmax(m.logits(list(prompt) + list(toks))[len(prompt) - 1: -1].double(), dim=-1)
-    return [float(lp[i, t]) for i, t in enumerate(toks)]
 
 
 def _rank_pids(pid: int) -> list[int]:

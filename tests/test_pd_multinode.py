@@ -25,9 +25,9 @@ import pytest
 from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
+from tests._pd_hops import _decode, _reference_logprobs, _sp, prefill_hop
+from tests._workers import _W
 from tests.test_parallel_multinode import ENV, _cli, _free_port, _listeners, _Proc, _tree
-from tests.test_pd_hetero_tp import _decode, _reference_logprobs
-from tests.test_pd_workers import _W, _sp, prefill_hop
 
 SEED = 27  # random_config(27): 3 KDA + 2 MLA layers, 16 routed experts (the prefill group shards them: EP)
 POISON = {"K3SERVE_KV_POISON_FREE_PAGES": "1"}

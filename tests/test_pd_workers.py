@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -26,44 +23,12 @@ import pytest
 import torch
 
 from k3serve.proto import worker_pb2 as pb
-from k3serve.proto import worker_pb2_grpc as pb_grpc
-from k3serve.proto.convert import kv_transfer_result_from_proto, sampling_to_proto
 from tests._engine_helpers import random_model_dir, reference_outputs
+from tests._pd_hops import GREEDY, _sp, decode_hop, pd, prefill_hop
+from tests._workers import MAX_LEN, _metric, _start, _wait_ready, worker_group
 
-MAX_LEN = 256
 SEED_A, SEED_B = 11, 12
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 VOCAB = 60  # model A (seed 11) has 61 token ids; model B more
-
-
-def _start(model_dir, role, *extra, env_extra=None):
-    cmd = [sys.executable, "-m", "k3serve.cli", "worker", "--model", str(model_dir), "--role", role,
-           "--grpc-port", "0", "--metrics-port", "0", "--max-model-len", str(MAX_LEN), "--dtype", "float64",
-           "--skip-tokenizer-init", "--num-threads", "1", "--log-level", "warning", *extra]
-    env = dict(os.environ, PYTHONSAFEPATH="1", **(env_extra or {}))
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _wait_ready(proc, timeout=240):
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"ready grpc=(\S+) metrics=(\S+)", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return m.group(1), m.group(2)
-    proc.kill()
-    pytest.fail("worker did not start:\n" + "".join(lines))
-
-
-class _W:
-    def __init__(self, proc, addr, murl):
-        self.proc, self.addr, self.murl = proc, addr, murl
-        self.channel = grpc.insecure_channel(addr)
-        self.stub = pb_grpc.WorkerStub(self.channel)
 
 
 @pytest.fixture(scope="module")
@@ -85,53 +50,8 @@ def workers(models):
     }
     procs = {k: _start(*v, env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"} if k == "D1" else None)
              for k, v in specs.items()}
-    out = {}
-    try:
-        for k, p in procs.items():
-            out[k] = _W(p, *_wait_ready(p))
+    with worker_group(procs, stop_timeout=10) as out:
         yield out
-    finally:
-        for w in out.values():
-            w.channel.close()
-        # a test may have replaced a worker's process (a restart): stop those too
-        alive = list(procs.values()) + [w.proc for w in out.values() if w.proc not in procs.values()]
-        for p in alive:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in alive:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def _sp(max_new):
-    return sampling_to_proto(dict(GREEDY, max_tokens=max_new))
-
-
-def prefill_hop(w: _W, rid, prompt, max_new):
-    resps = list(w.stub.Generate(pb.GenerateRequest(
-        request_id=rid, prompt_token_ids=prompt, sampling_params=_sp(max_new),
-        kv_transfer_params=pb.KvTransferParams(do_remote_decode=True)), timeout=120))
-    assert len(resps) == 1 and resps[0].finished and not resps[0].outputs and resps[0].HasField("kv_transfer_params")
-    kvp = resps[0].kv_transfer_params
-    assert kvp.remote_num_tokens == len(prompt) - 1 and kvp.remote_host == "127.0.0.1"
-    return kvp
-
-
-def decode_hop(w: _W, rid, prompt, max_new, kvp):
-    kvp = pb.KvTransferParams.FromString(kvp.SerializeToString())
-    kvp.do_remote_prefill = True
-    resps = list(w.stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
-                                                    sampling_params=_sp(max_new), kv_transfer_params=kvp),
-                                 timeout=120))
-    toks = [t for r in resps for o in r.outputs for t in o.token_ids]
-    assert resps[-1].finished and resps[-1].HasField("kv_transfer_result")
-    return toks, kv_transfer_result_from_proto(resps[-1].kv_transfer_result)
-
-
-def pd(p, d, rid, prompt, max_new):
-    return decode_hop(d, rid, prompt, max_new, prefill_hop(p, rid + "-p", prompt, max_new))
 
 
 def _colocated(model_dir, prompts, max_new, **kw):
@@ -141,14 +61,6 @@ def _colocated(model_dir, prompts, max_new, **kw):
     torch.set_num_threads(1)
     llm = LLM(str(model_dir), dtype="float64", max_model_len=MAX_LEN, skip_tokenizer_init=True, **kw)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_new, **GREEDY))]
-
-
-def _metric(text, name, **labels):
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_pd_greedy_equals_reference_and_colocated(workers, models):

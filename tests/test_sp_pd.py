@@ -20,17 +20,14 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import random
-import signal
-import subprocess
 
 import httpx
 import pytest
 
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
-from tests.test_dep_prefill import _together
-from tests.test_pd_hetero_tp import _decode, _reference_logprobs
-from tests.test_pd_workers import _W, _metric, _start, _wait_ready, decode_hop, prefill_hop
+from tests._pd_hops import _decode, _reference_logprobs, _together, decode_hop, prefill_hop
+from tests._workers import _metric, _start, worker_group
 
 SEED = 24  # random_config(24): 3 KDA + 2 MLA layers, MoE layers 2 and 4 (4 experts), one MTP layer
 SP = ["--tensor-parallel-size", "2", "--expert-parallel", "--enable-sequence-parallel"]
@@ -47,22 +44,8 @@ def pool(tmp_path_factory):
                           "--speculative-config", SPEC, env_extra=POISON),
              "D2": _start(model, "decode", "--data-parallel-size", "2", "--enable-expert-parallel", "--block-size",
                           "32", "--kv-transfer-timeout", "5", env_extra=POISON)}
-    out = {}
-    try:
-        for k, p in procs.items():
-            out[k] = _W(p, *_wait_ready(p))
+    with worker_group(procs, stop_timeout=15) as out:
         yield model, out
-    finally:
-        for w in out.values():
-            w.channel.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_sp_prefill_to_speculating_and_dep_decode_equals_reference(pool):

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import random
-import signal
-import subprocess
 
 import httpx
 import pytest
 
 from tests._engine_helpers import random_model_dir, reference_outputs
-from tests.test_pd_workers import _W, _metric, _start, _wait_ready, pd
+from tests._pd_hops import pd
+from tests._workers import _metric, _start, worker_group
 
 SEED = 0  # a random config with one MTP layer (workers/model/testing.py)
 
@@ -30,22 +29,8 @@ def pair(tmp_path_factory, request):
     procs = {"P": _start(d, "prefill", "--block-size", "16", *cache),
              "D": _start(d, "decode", "--block-size", "32", "--speculative-config", spec, *cache,
                          env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"})}
-    out = {}
-    try:
-        for k, p in procs.items():
-            out[k] = _W(p, *_wait_ready(p))
+    with worker_group(procs, stop_timeout=10) as out:
         yield d, out
-    finally:
-        for w in out.values():
-            w.channel.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_prefill_without_and_decode_with_speculation(pair):
