@@ -46,8 +46,9 @@ from pathlib import Path
 import torch
 
 from ..config import K3Config
-from ..functional import LayerWeights, acc_dtype, linear, rms_norm, rope_interleaved
+from ..functional import LayerWeights, acc_dtype, linear, rms_norm
 from . import forward as F
+from .log import Log
 
 SINGLE_FILE = "model.safetensors"
 
@@ -133,32 +134,6 @@ def write_model_dir(init_dir: Path, mtp: dict[str, torch.Tensor], out_dir: Path)
 
 
 # ------------------------------------------------------------------------------------------- forward
-def _mla_qkv(x, w: LayerWeights, cfg: K3Config, positions: torch.Tensor):
-    """The MTP layer's MLA projections (as forward.mla_layer) on `x` [B, N, H] at `positions` [N]:
-    q [B, nh, N, dn+dr], k [B, nh, N, dn+dr], v [B, nh, N, dv]."""
-    B, N, _ = x.shape
-    nh, dn, dr, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    if cfg.q_lora_rank is not None:
-        q = linear(rms_norm(linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], cfg.rms_norm_eps),
-                   w["q_b_proj.weight"])
-    else:
-        q = linear(x, w["q_proj.weight"])
-    q = q.reshape(B, N, nh, dn + dr)
-    q_nope, q_pe = q[..., :dn], q[..., dn:]
-    kv_a = linear(x, w["kv_a_proj_with_mqa.weight"])
-    c_kv = rms_norm(kv_a[..., :r], w["kv_a_layernorm.weight"], cfg.rms_norm_eps)
-    k_pe = kv_a[..., r:]
-    if not cfg.mla_use_nope and dr > 0:
-        q_pe = rope_interleaved(q_pe.transpose(0, 1).reshape(N, B * nh, dr), positions, cfg.rope_theta)
-        q_pe = q_pe.reshape(N, B, nh, dr).transpose(0, 1).to(q_nope.dtype)
-        k_pe = rope_interleaved(k_pe.transpose(0, 1), positions, cfg.rope_theta).transpose(0, 1).to(q_nope.dtype)
-    kv = linear(c_kv, w["kv_b_proj.weight"]).reshape(B, N, nh, -1)
-    k_nope, v = kv[..., :dn], kv[..., dn:]
-    qf = torch.cat([q_nope, q_pe], -1).transpose(1, 2)
-    kf = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, N, nh, dr)], -1).transpose(1, 2)
-    return qf, kf, v.transpose(1, 2)
-
-
 def mtp_unrolled(w, cfg: K3Config, h: torch.Tensor, ids: torch.Tensor, steps: int,
                  opt: F.Options | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`steps` draft steps of the MTP layers at every anchor at once, as `mtp.mtp_propose` drafts.
@@ -200,7 +175,7 @@ def mtp_unrolled(w, cfg: K3Config, h: torch.Tensor, ids: torch.Tensor, steps: in
             u = linear(torch.cat([rms_norm(e, lw["enorm.weight"], eps),
                                   rms_norm(hidden_in[i], lw["hnorm.weight"], eps)], -1), lw["eh_proj.weight"])
             x = rms_norm(u, lw["input_layernorm.weight"], eps)
-            cache[(j, i)] = (u, x, *_mla_qkv(x, lw.sub("self_attn."), cfg, anchors + i))
+            cache[(j, i)] = (u, x, *F.mla_qkv(x, lw.sub("self_attn."), cfg, anchors + i))
         u, x, q, _k, _v = cache[(j, s)]
         acc = acc_dtype(q.dtype) if q.dtype != torch.bfloat16 else torch.float32
         k0, v0 = cache[(j, 0)][3], cache[(j, 0)][4]
@@ -212,11 +187,7 @@ def mtp_unrolled(w, cfg: K3Config, h: torch.Tensor, ids: torch.Tensor, steps: in
         for i in range(1, s + 1):
             o = o + p_all[..., N + i - 1: N + i] * cache[(j, i)][4].to(acc)
         o = o.transpose(1, 2).reshape(B, N, -1).to(h.dtype)
-        aw = lw.sub("self_attn.")
-        if cfg.mla_use_output_gate:
-            a = acc_dtype(o.dtype)
-            o = (o.to(a) * torch.sigmoid(linear(x, aw["g_proj.weight"]).to(a))).to(h.dtype)
-        v = u + linear(o, aw["o_proj.weight"])
+        v = u + F.mla_out(o, x, lw.sub("self_attn."), cfg)
         v = v + F._mlp(w, cfg, i_layer, rms_norm(v, lw["post_attention_layernorm.weight"], eps), opt)
         logits_out.append(linear(rms_norm(v, lw["shared_head.norm.weight"], eps), mtp_head_weight(w, cfg, j)))
         states.append(v)
@@ -402,18 +373,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=float, default=60)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-class Log:
-    def __init__(self, path: Path):
-        self.f = open(path, "a")
-        self.t0 = time.time()
-
-    def __call__(self, msg: str) -> None:
-        line = f"[{time.time() - self.t0:7.1f}s] {msg}"
-        print(line, flush=True)
-        self.f.write(line + "\n")
-        self.f.flush()
 
 
 def evaluate(model_dir: Path, dev: str, kda: str, held_windows, code_seqs, args, ks) -> dict:

@@ -147,36 +147,48 @@ def kda_layer(x: torch.Tensor, w: LayerWeights, cfg: K3Config, kda: str = "chunk
 
 
 # ------------------------------------------------------------------------------------------------- MLA
-def mla_layer(x: torch.Tensor, w: LayerWeights, cfg: K3Config) -> torch.Tensor:
-    """One MLA layer on a batch `[B, T, H]` (causal, positions 0..T-1) -> `[B, T, H]`."""
-    B, T, _ = x.shape
-    nh, dn, dr, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                         cfg.kv_lora_rank)
+def mla_qkv(x: torch.Tensor, w: LayerWeights, cfg: K3Config, positions: torch.Tensor):
+    """MLA's projections of `x` [B, N, H] at `positions` [N], expanded per head (the layout of
+    `scaled_dot_product_attention`): q [B, nh, N, dn+dr], k [B, nh, N, dn+dr], v [B, nh, N, dv]."""
+    B, N, _ = x.shape
+    nh, dn, dr, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is not None:
         q = linear(rms_norm(linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], cfg.rms_norm_eps),
                    w["q_b_proj.weight"])
     else:
         q = linear(x, w["q_proj.weight"])
-    q = q.reshape(B, T, nh, dn + dr)
+    q = q.reshape(B, N, nh, dn + dr)
     q_nope, q_pe = q[..., :dn], q[..., dn:]
     kv_a = linear(x, w["kv_a_proj_with_mqa.weight"])
     c_kv = rms_norm(kv_a[..., :r], w["kv_a_layernorm.weight"], cfg.rms_norm_eps)
     k_pe = kv_a[..., r:]
     if not cfg.mla_use_nope and dr > 0:
-        pos = torch.arange(T, device=x.device)
-        q_pe = rope_interleaved(q_pe.transpose(0, 1).reshape(T, B * nh, dr), pos, cfg.rope_theta)
-        q_pe = q_pe.reshape(T, B, nh, dr).transpose(0, 1)
-        k_pe = rope_interleaved(k_pe.transpose(0, 1), pos, cfg.rope_theta).transpose(0, 1)
-    kv = linear(c_kv, w["kv_b_proj.weight"]).reshape(B, T, nh, dn + dv)
+        q_pe = rope_interleaved(q_pe.transpose(0, 1).reshape(N, B * nh, dr), positions, cfg.rope_theta)
+        q_pe = q_pe.reshape(N, B, nh, dr).transpose(0, 1)
+        k_pe = rope_interleaved(k_pe.transpose(0, 1), positions, cfg.rope_theta).transpose(0, 1)
+    kv = linear(c_kv, w["kv_b_proj.weight"]).reshape(B, N, nh, -1)
     k_nope, v = kv[..., :dn], kv[..., dn:]
     qf = torch.cat([q_nope, q_pe], -1).transpose(1, 2)
-    kf = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, T, nh, dr)], -1).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qf, kf, v.transpose(1, 2), is_causal=True, scale=(dn + dr) ** -0.5)
-    o = o.transpose(1, 2).reshape(B, T, nh * dv)
+    kf = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, N, nh, dr)], -1).transpose(1, 2)
+    return qf, kf, v.transpose(1, 2)
+
+
+def mla_out(o: torch.Tensor, x: torch.Tensor, w: LayerWeights, cfg: K3Config) -> torch.Tensor:
+    """The attention output `o` [B, N, nh * dv] of the layer input `x` [B, N, H] -> [B, N, H]: the optional
+    sigmoid output gate g_proj(x) (acc dtype), then o_proj."""
     if cfg.mla_use_output_gate:
         a = acc_dtype(o.dtype)
         o = (o.to(a) * torch.sigmoid(linear(x, w["g_proj.weight"]).to(a))).to(x.dtype)
     return linear(o, w["o_proj.weight"])
+
+
+def mla_layer(x: torch.Tensor, w: LayerWeights, cfg: K3Config) -> torch.Tensor:
+    """One MLA layer on a batch `[B, T, H]` (causal, positions 0..T-1) -> `[B, T, H]`."""
+    B, T, _ = x.shape
+    q, k, v = mla_qkv(x, w, cfg, torch.arange(T, device=x.device))
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return mla_out(o.transpose(1, 2).reshape(B, T, -1), x, w, cfg)
 
 
 # ------------------------------------------------------------------------------------------------- MoE

@@ -44,6 +44,7 @@ from .card import write_model_card
 from .chat_data import TOOLS, make_examples
 from .corpus import extract_functions, split_files, stdlib_dir, stdlib_files
 from .evaluate import function_body_parse_rate, heldout_perplexity, mtp_accuracy
+from .log import Log
 
 MODEL_NAME = "k3-demo-stdlib"
 
@@ -80,18 +81,6 @@ def configs(vocab_size: int, ids: dict, overrides: dict | None = None) -> tuple[
                                      "text_config": q})
     export_cfg.torch_dtype = "bfloat16"
     return train_cfg, export_cfg
-
-
-class Log:
-    def __init__(self, path: Path):
-        self.f = open(path, "a")
-        self.t0 = time.time()
-
-    def __call__(self, msg: str) -> None:
-        line = f"[{time.time() - self.t0:7.1f}s] {msg}"
-        print(line, flush=True)
-        self.f.write(line + "\n")
-        self.f.flush()
 
 
 def init_train_weights(cfg: K3Config, seed: int, device) -> dict[str, torch.Tensor]:
