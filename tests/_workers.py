@@ -1,7 +1,8 @@
 """Real `k3serve worker` processes for tests: start one (`_start`), wait for its ready line (`_wait_ready`), a
 gRPC handle on a ready one (`_W`), and `worker_group`, which waits for a dict of started workers and, at the
-end, closes their channels and stops them (SIGTERM, wait, SIGKILL). `_metric` sums a metric in a worker's
-/metrics text."""
+end, closes their channels and stops them (SIGTERM, wait, SIGKILL). A worker "pod" of a multi-node group
+(`_Proc`: its own session, so SIGKILL of the group kills its whole tree) runs `_cli`'s command line with
+`ENV`. `_metric` sums a metric in a worker's /metrics text."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +22,7 @@ import pytest
 from k3serve.proto import worker_pb2_grpc as pb_grpc
 
 MAX_LEN = 256
+ENV = dict(os.environ, PYTHONSAFEPATH="1", K3SERVE_RENDEZVOUS_TIMEOUT_S="60")
 
 
 def _start(model_dir, role, *extra, env_extra=None):
@@ -30,9 +33,11 @@ def _start(model_dir, role, *extra, env_extra=None):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def _wait_ready(proc, timeout=240):
-    """(grpc address, metrics url) from the worker's ready line; its later output is drained by a thread."""
-    lines, deadline = [], time.monotonic() + timeout
+def _wait_ready(proc, timeout=240, lines=None):
+    """(grpc address, metrics url) from the worker's ready line. Its output goes on into `lines` (a thread reads
+    it after the ready line); a worker that exits or stays silent past `timeout` is killed and fails the test."""
+    lines = [] if lines is None else lines
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -40,7 +45,7 @@ def _wait_ready(proc, timeout=240):
         lines.append(line)
         m = re.search(r"ready grpc=(\S+) metrics=(\S+)", line)
         if m:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
             return m.group(1), m.group(2)
     proc.kill()
     pytest.fail("worker did not start:\n" + "".join(lines))
@@ -78,6 +83,49 @@ def worker_group(procs: dict, stop_timeout: float = 10, expect_clean_exit: bool 
                 p.kill()
         if expect_clean_exit:
             assert all(c == 0 for c in codes), codes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "k3serve.cli", "worker", *args, "--num-threads", "1", "--log-level", "warning"]
+
+
+class _Proc:
+    """A process in its own session (a "pod": SIGKILL of its group kills the whole tree), output collected."""
+
+    def __init__(self, cmd: list[str], env=ENV):
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                  start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(x) for x in self.p.stdout], daemon=True).start()
+
+    def wait_line(self, pattern: str, timeout_s: float = 180.0) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.p.poll() is not None:
+                time.sleep(0.2)  # the reader thread drains the last lines
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}; output:\n" + "".join(self.lines))
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill_tree(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait(10)
 
 
 def _metric(text, name, **labels):

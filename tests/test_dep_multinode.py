@@ -29,7 +29,6 @@ import httpx
 import pytest
 from _engine_helpers import random_model_dir, reference_outputs
 from test_parallel_dp import OPTS, _generate, _keys, _single
-from test_parallel_multinode import ENV, _cli, _free_port, _listeners, _Proc, _tree
 
 from k3serve.proto import worker_pb2 as pb
 from k3serve.proto import worker_pb2_grpc as pb_grpc
@@ -37,6 +36,8 @@ from k3serve.proto.convert import sampling_to_proto
 from k3serve.workers.engine.parallel.nodes import RemoteRank
 from k3serve.workers.llm import LLM
 from k3serve.workers.model.testing import random_config
+from tests._proc_tree import _listen_addrs, _tree
+from tests._workers import ENV, _cli, _free_port, _Proc
 
 
 def _rounds(seed: int, vocab: int, n: int):
@@ -83,7 +84,7 @@ def test_two_node_dep_greedy_equals_single_rank_and_reference(tmp_path_factory, 
                 cached.append(hit)
             stats = engine.stats()
             snaps = [engine.local.kv_cache_snapshot()] + [engine._call(r, ("snapshot",)) for r in range(1, dp)]
-            bound = _listeners(_tree(os.getpid()) | _tree(node.p.pid))
+            bound = _listen_addrs(_tree(os.getpid()) | _tree(node.p.pid))
         finally:
             engine.close()
         assert node.p.wait(15) == 0, node.output()  # the leader stopped the group: the node exits 0

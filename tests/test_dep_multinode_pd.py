@@ -25,8 +25,7 @@ from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
 from tests._pd_hops import _sp, decode_hop, prefill_hop
-from tests._workers import _W
-from tests.test_parallel_multinode import _cli, _free_port, _Proc
+from tests._workers import _W, _cli, _free_port, _Proc
 
 SEED = 0  # random_config(0): LatentMoE (16 experts, norm, shared experts), AttnRes
 COMMON = ["--dtype", "float64", "--max-model-len", "256", "--skip-tokenizer-init", "--enable-prefix-caching",

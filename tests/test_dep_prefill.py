@@ -26,8 +26,8 @@ from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
 from tests._pd_hops import _decode, _reference_logprobs, _sp, _together, prefill_hop
+from tests._proc_tree import _rank_pids
 from tests._workers import _start, worker_group
-from tests.test_pd_hetero_tp import _rank_pids
 
 SEED = 6  # random_config(6): 4 KDA + 2 MLA layers (heads split over 2 TP ranks), 8 routed experts
 DEP = ["--data-parallel-size", "2", "--enable-expert-parallel"]

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
-from test_parallel_worker import _alive, _children
 
 from k3serve.common.block_hash import chain_hashes, model_fingerprint, root_hash
 from k3serve.proto import worker_pb2 as pb
@@ -25,6 +24,8 @@ from k3serve.proto.convert import sampling_to_proto
 from k3serve.router.prefix_index import PrefixIndex
 from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
+from tests._proc_tree import _alive, _children
+from tests._workers import _wait_ready
 
 BLOCK = 16
 CACHE = ["--enable-prefix-caching", "--block-size", str(BLOCK), "--prefix-cache-retention-interval", str(BLOCK)]
@@ -49,21 +50,12 @@ def test_dep_worker_serves_one_endpoint_merges_kv_events_and_dies_cleanly(tiny_m
            "--data-parallel-size", "2", "--enable-expert-parallel", "--dtype", "float64", *CACHE]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONSAFEPATH="1"))
-    lines, found = [], None
+    lines = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not found:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            found = re.search(r"ready grpc=(\S+) metrics=(\S+)", line)
-        assert found, "worker did not start:\n" + "".join(lines)
-        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
-        murl = found.group(2)
+        addr, murl = _wait_ready(proc, 180, lines)
         index, slot, lock = PrefixIndex(), None, threading.Lock()
         slot = index.add_worker("dep")
-        with grpc.insecure_channel(found.group(1)) as ch:
+        with grpc.insecure_channel(addr) as ch:
             stub = pb_grpc.WorkerStub(ch)
             events = stub.SubscribeKvEvents(pb.KvEventsRequest(), timeout=120)
 

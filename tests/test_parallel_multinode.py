@@ -19,10 +19,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,75 +32,12 @@ from k3serve.workers.engine.parallel.group import RendezvousError
 from k3serve.workers.engine.parallel.nodes import RemoteRank
 from k3serve.workers.llm import LLM
 from k3serve.workers.model.testing import random_config
+from tests._proc_tree import _listen_addrs, _tree
+from tests._workers import ENV, _cli, _free_port, _Proc
 
 MAX_NEW = 4
 OPTS = dict(dtype="float64", skip_tokenizer_init=True, enable_prefix_caching=True, max_num_batched_tokens=16,
             block_size=16)
-ENV = dict(os.environ, PYTHONSAFEPATH="1", K3SERVE_RENDEZVOUS_TIMEOUT_S="60")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "k3serve.cli", "worker", *args, "--num-threads", "1", "--log-level", "warning"]
-
-
-class _Proc:
-    """A process in its own session (a "pod": SIGKILL of its group kills the whole tree), output collected."""
-
-    def __init__(self, cmd: list[str], env=ENV):
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                  start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: [self.lines.append(x) for x in self.p.stdout], daemon=True).start()
-
-    def wait_line(self, pattern: str, timeout_s: float = 180.0) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                m = re.search(pattern, line)
-                if m:
-                    return m
-            if self.p.poll() is not None:
-                time.sleep(0.2)  # the reader thread drains the last lines
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r}; output:\n" + "".join(self.lines))
-
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def kill_tree(self) -> None:
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.p.wait(10)
-
-
-def _listeners(pids: set[int]) -> list[str]:
-    """Local addresses of the TCP listeners owned by `pids` (ss -ltnp)."""
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    found = []
-    for line in out.splitlines():
-        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
-        if owners & pids:
-            found.append(line.split()[3])
-    return found
-
-
-def _tree(pid: int) -> set[int]:
-    pids, todo = {pid}, [pid]
-    while todo:
-        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout
-        kids = {int(x) for x in out.split()}
-        todo += list(kids - pids)
-        pids |= kids
-    return pids
 
 
 def _prompts(seed: int, vocab: int):
@@ -140,7 +74,7 @@ def test_two_node_group_greedy_equals_single_rank_and_reference(tmp_path_factory
             assert re.search(rf"^k3serve_node_ranks_ready {tp // 2}\.0$", metrics, re.M), metrics
             got = [t for r in rounds for t in engine_outputs(llm, r, MAX_NEW)]
             stats = llm.engine.stats()
-            bound = _listeners(_tree(os.getpid()) | _tree(node.p.pid))
+            bound = _listen_addrs(_tree(os.getpid()) | _tree(node.p.pid))
             assert bound, "the group opened no listener?"
             assert all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in bound), bound
         finally:

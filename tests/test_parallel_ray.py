@@ -8,8 +8,6 @@ One local Ray for the module (its start-up takes seconds), as small as it goes: 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import time
 
 import pytest
@@ -21,6 +19,7 @@ from k3serve.workers.engine.parallel import ray_launcher
 from k3serve.workers.engine.parallel.launcher import RankFailedError
 from k3serve.workers.llm import LLM
 from k3serve.workers.model.testing import random_config
+from tests._proc_tree import _listeners, _tree
 
 MAX_NEW = 4
 OPTS = dict(dtype="float64", skip_tokenizer_init=True, enable_prefix_caching=True, max_num_batched_tokens=16,
@@ -34,27 +33,6 @@ def local_ray():
         yield
     finally:
         ray.shutdown()
-
-
-def _tree(pid: int) -> set[int]:
-    pids, todo = {pid}, [pid]
-    while todo:
-        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout
-        kids = {int(x) for x in out.split()}
-        todo += list(kids - pids)
-        pids |= kids
-    return pids
-
-
-def _listeners(pids: set[int]) -> list[tuple[str, str]]:
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    found = []
-    for line in out.splitlines():
-        owners = re.findall(r'\("([^"]+)",pid=(\d+)', line)
-        for name, pid in owners:
-            if int(pid) in pids:
-                found.append((name, line.split()[3]))
-    return found
 
 
 def _rounds(seed: int, vocab: int):

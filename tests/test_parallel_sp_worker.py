@@ -4,21 +4,21 @@ one-token decode steps: the replicated path) equal the single-rank offline engin
 makes the worker exit non-zero within 10 s naming the rank, with no rank process left behind."""
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
-from test_parallel_worker import PROMPT, _alive, _children
+from test_parallel_worker import PROMPT
 
 from k3serve.proto import worker_pb2 as pb
 from k3serve.proto import worker_pb2_grpc as pb_grpc
 from k3serve.proto.convert import sampling_to_proto
 from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
+from tests._proc_tree import _alive, _children
+from tests._workers import _wait_ready
 
 
 def test_sp_worker_serves_the_single_rank_tokens_and_dies_cleanly(tiny_model_dir):
@@ -28,18 +28,10 @@ def test_sp_worker_serves_the_single_rank_tokens_and_dies_cleanly(tiny_model_dir
            "--dtype", "float64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1"))
-    lines, found = [], None
+    lines = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not found:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            found = re.search(r"ready grpc=(\S+) metrics=(\S+)", line)
-        assert found, "worker did not start:\n" + "".join(lines)
-        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
-        with grpc.insecure_channel(found.group(1)) as ch:
+        addr, _murl = _wait_ready(proc, 180, lines)
+        with grpc.insecure_channel(addr) as ch:
             stub = pb_grpc.WorkerStub(ch)
             req = pb.GenerateRequest(request_id="r1", prompt_token_ids=PROMPT,
                                      sampling_params=sampling_to_proto(dict(temperature=0.0, max_tokens=6,

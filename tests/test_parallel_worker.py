@@ -3,11 +3,9 @@ with greedy tokens equal to the single-rank offline engine's; SIGKILL of its ran
 503 and the worker exit non-zero within 10 s, with no rank process left behind."""
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -18,22 +16,10 @@ from k3serve.proto import worker_pb2_grpc as pb_grpc
 from k3serve.proto.convert import sampling_to_proto
 from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
+from tests._proc_tree import _alive, _children
+from tests._workers import _wait_ready
 
 PROMPT = [5, 17, 33, 2, 91, 40, 7]
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_tp2_worker_serves_then_dies_cleanly_when_a_rank_is_killed(tiny_model_dir):
@@ -42,19 +28,10 @@ def test_tp2_worker_serves_then_dies_cleanly_when_a_rank_is_killed(tiny_model_di
            "--tensor-parallel-size", "2", "--expert-parallel", "--dtype", "float64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONSAFEPATH="1"))
-    lines, found = [], None
+    lines = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not found:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            found = re.search(r"ready grpc=(\S+) metrics=(\S+)", line)
-        assert found, "worker did not start:\n" + "".join(lines)
-        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
-        murl = found.group(2)
-        with grpc.insecure_channel(found.group(1)) as ch:
+        addr, murl = _wait_ready(proc, 180, lines)
+        with grpc.insecure_channel(addr) as ch:
             stub = pb_grpc.WorkerStub(ch)
             sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
             req = pb.GenerateRequest(request_id="r1", prompt_token_ids=PROMPT,

@@ -27,8 +27,8 @@ import pytest
 from k3serve.proto import worker_pb2 as pb
 from tests._engine_helpers import random_model_dir, reference_outputs
 from tests._pd_hops import _decode, _reference_logprobs, _sp, decode_hop, prefill_hop
+from tests._proc_tree import _listening_sockets, _rank_pids
 from tests._workers import _start, worker_group
-from tests.test_pd_workers import _listening_sockets
 
 # random configs whose KDA and MLA heads split over 2 ranks: 23 (3 KDA layers + 1 MLA, MXFP4 experts sliced by
 # TP, tied vocabulary padded per rank), 41 (4 KDA + 1 MLA, whole experts per rank: --expert-parallel)
@@ -71,12 +71,6 @@ def tp2_decode(model, layout):
                           "--kv-transfer-timeout", "5", env_extra={"K3SERVE_KV_POISON_FREE_PAGES": "1"})}
     with worker_group(procs, stop_timeout=10) as out:
         yield out
-
-
-def _rank_pids(pid: int) -> list[int]:
-    """The spawned tensor-parallel ranks of a worker (its children but multiprocessing's resource tracker)."""
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(c) for c in out.split() if "resource_tracker" not in open(f"/proc/{c}/cmdline").read()]
 
 
 def test_tp2_prefill_to_tp1_decode_equals_reference(pair, model, vocab):

@@ -26,8 +26,8 @@ from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
 from tests._pd_hops import _decode, _reference_logprobs, _sp, prefill_hop
-from tests._workers import _W
-from tests.test_parallel_multinode import ENV, _cli, _free_port, _listeners, _Proc, _tree
+from tests._proc_tree import _listen_addrs, _tree
+from tests._workers import _W, ENV, _cli, _free_port, _Proc
 
 SEED = 27  # random_config(27): 3 KDA + 2 MLA layers, 16 routed experts (the prefill group shards them: EP)
 POISON = {"K3SERVE_KV_POISON_FREE_PAGES": "1"}
@@ -118,7 +118,7 @@ def test_prefill_group_over_two_nodes_feeds_tp1_and_a_tp4_decode_group_over_two_
     pids = set()
     for leader, node in procs.values():
         pids |= _tree(leader.p.pid) | _tree(node.p.pid)
-    bound = _listeners(pids)
+    bound = _listen_addrs(pids)
     assert bound and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in bound), bound
 
 

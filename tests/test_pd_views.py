@@ -147,7 +147,7 @@ _NETWORK_MODE = r'''
 import multiprocessing as mp, os, sys
 import numpy as np, torch
 from k3serve.workers.kv_transfer.agent import TransferAgent
-from tests.test_pd_workers import _listening_sockets
+from tests._proc_tree import _listening_sockets
 
 def child(conn):
     t = torch.arange(256, dtype=torch.uint8).repeat(64)

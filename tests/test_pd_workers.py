@@ -25,6 +25,7 @@ import torch
 from k3serve.proto import worker_pb2 as pb
 from tests._engine_helpers import random_model_dir, reference_outputs
 from tests._pd_hops import GREEDY, _sp, decode_hop, pd, prefill_hop
+from tests._proc_tree import _listening_sockets
 from tests._workers import MAX_LEN, _metric, _start, _wait_ready, worker_group
 
 SEED_A, SEED_B = 11, 12
@@ -230,28 +231,6 @@ def test_decode_worker_serves_plain_requests(workers):
     resps = list(workers["D1"].stub.Generate(pb.GenerateRequest(request_id="plain", prompt_token_ids=prompt,
                                                                 sampling_params=_sp(3)), timeout=60))
     assert resps[-1].finished and not resps[-1].HasField("kv_transfer_result")
-
-
-def _listening_sockets(pid):
-    """(proto, local address) of every listening TCP socket / bound UDP socket the process holds."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = []
-    for proto in ("tcp", "tcp6", "udp", "udp6"):
-        with open(f"/proc/{pid}/net/{proto}") as f:
-            next(f)
-            for line in f:
-                cols = line.split()
-                local, state, inode = cols[1], cols[3], cols[9]
-                if inode in inodes and (proto.startswith("udp") or state == "0A"):
-                    out.append((proto, local.split(":")[0]))
-    return out
 
 
 def test_no_listener_beyond_loopback(workers):

@@ -16,19 +16,19 @@ One cluster for the module (start-up takes seconds); its temporary directory is 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
 from _engine_helpers import engine_outputs, random_model_dir, reference_outputs
 
 from k3serve.workers.engine.parallel import ray_launcher
+from tests._proc_tree import _listeners, _tree
+from tests._workers import _wait_ready
 
 MAX_NEW = 4
 OPTS = dict(dtype="float64", skip_tokenizer_init=True, enable_prefix_caching=True, max_num_batched_tokens=16,
@@ -57,26 +57,6 @@ def cluster():
         ray.shutdown()
         c.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
-
-
-def _tree(pid: int) -> set[int]:
-    pids, todo = {pid}, [pid]
-    while todo:
-        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout
-        kids = {int(x) for x in out.split()}
-        todo += list(kids - pids)
-        pids |= kids
-    return pids
-
-
-def _listeners(pids: set[int]) -> list[tuple[str, str]]:
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    found = []
-    for line in out.splitlines():
-        for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', line):
-            if int(pid) in pids:
-                found.append((name, line.split()[3]))
-    return found
 
 
 def _pg_gone() -> bool:
@@ -180,18 +160,10 @@ def test_worker_over_the_ray_cluster_exits_when_its_remote_rank_dies(cluster, ti
            "0", "--max-model-len", "256", "--num-threads", "1", "--log-level", "warning", "--dtype", "float64",
            "--tensor-parallel-size", "2", "--enable-expert-parallel", "--distributed-executor-backend", "ray"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, found = [], None
+    lines = []
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not found:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            found = re.search(r"ready grpc=(\S+) metrics=(\S+)", line)
-        assert found, "worker did not start:\n" + "".join(lines)
-        threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
-        with grpc.insecure_channel(found.group(1)) as ch:
+        addr, _murl = _wait_ready(proc, 120, lines)
+        with grpc.insecure_channel(addr) as ch:
             req = pb.GenerateRequest(request_id="r1", prompt_token_ids=[5, 17, 33, 2, 9],
                                      sampling_params=sampling_to_proto(dict(temperature=0.0, max_tokens=3,
                                                                             ignore_eos=True)))
