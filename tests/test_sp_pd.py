@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import random
+import re
 
 import httpx
 import pytest
@@ -72,6 +73,16 @@ def test_sp_prefill_to_speculating_and_dep_decode_equals_reference(pool):
     for i, (toks, res) in enumerate(got):
         assert toks == want[i], (i, res)
         assert res["outcome"] == "pulled" and res["pulled_tokens"] == len(prompts[i]) - 1, (i, res)
+    # each worker runs the layout asked for, as its engine reports it from the runner it built: the prefill
+    # worker really runs the sequence-parallel model (k3serve_parallel_layout, workers/engine/parallel/launcher.py)
+    def layouts(url):
+        return [dict((k, int(v)) for k, v in re.findall(r'(tp|dp|ep|sp|nnodes)="(\d+)"', m.group(1)))
+                for m in re.finditer(r"^k3serve_parallel_layout\{(.*)\} 1\.0$",
+                                     httpx.get(url + "/metrics", timeout=10).text, re.M)]
+
+    assert layouts(w["P"].murl) == [dict(tp=2, dp=1, ep=1, sp=1, nnodes=1)]
+    assert layouts(w["DS"].murl) == [dict(tp=1, dp=1, ep=0, sp=0, nnodes=1)]
+    assert layouts(w["D2"].murl) == [dict(tp=1, dp=2, ep=1, sp=0, nnodes=1)]
     text = httpx.get(w["DS"].murl + "/metrics", timeout=10).text
     assert _metric(text, "vllm:spec_decode_num_drafts_total") > 0  # the decode side did speculate
     assert _metric(httpx.get(w["P"].murl + "/metrics", timeout=10).text, "vllm:prefix_cache_hits_total") > 0

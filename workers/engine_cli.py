@@ -180,6 +180,9 @@ def start_engine(args: argparse.Namespace, model: str) -> ServedEngine:
     names = list(args.served_model_name or [engine.served_model_name])
     registry = prometheus_client.CollectorRegistry()
     metrics = EngineMetrics(registry, names[0])
+    from k3serve.workers.engine.parallel.launcher import parallel_layout
+
+    metrics.on_layout(parallel_layout(engine))  # what the engine runs: tp, dp, ep, sp, nnodes
     aeng = AsyncEngine(engine, model_name=names[0], metrics=metrics, on_fatal=stop_process)
     check_peers = getattr(engine.runner, "check_peers", None)  # a TP group: a dead rank is fatal, idle or not
     if check_peers is not None:

@@ -18,6 +18,8 @@ Events and what they update (all labelled with `model_name`):
   queries/hits overall and per group kind, KDA snapshots stored/evicted, prefill tokens
   computed/skipped; the host offload tier's `kv_offload_*` hits, pages, bytes, evictions, failed loads
   and usage); keys it lacks are left alone.
+* `on_layout(layout)`: `k3serve_parallel_layout{tp, dp, ep, sp, nnodes} 1`, once at start (what the engine runs:
+  workers/engine/parallel/launcher.py parallel_layout).
 """
 
 from __future__ import annotations
@@ -134,6 +136,11 @@ class EngineMetrics:
             return
         self._metric("vllm:e2e_request_latency_seconds").observe(max(0.0, t - st.arrival))
         self.m["vllm:request_success"].labels(model_name=self.model_name, finished_reason=reason).inc()
+
+    def on_layout(self, layout: dict) -> None:
+        """k3serve_parallel_layout = 1 with the engine's layout as labels (parallel/launcher.py parallel_layout)."""
+        self.m["k3serve_parallel_layout"].labels(model_name=self.model_name,
+                                                 **{k: str(int(v)) for k, v in layout.items()}).set(1)
 
     def on_stats(self, stats: dict) -> None:
         gauges = {

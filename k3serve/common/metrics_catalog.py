@@ -129,6 +129,10 @@ CATALOG: tuple[MetricSpec, ...] = (
                _M, _W),
     MetricSpec("k3serve_kv_store_wait_max_seconds", "gauge",
                "Longest time a request waited on one store call (bounded by the store deadline).", _M, _W),
+    MetricSpec("k3serve_parallel_layout", "gauge",
+               "1, labelled with the parallel layout the worker's engine runs, read from the runner it built: "
+               "tp, dp (group ranks), ep and sp (1 = on), nnodes (workers/engine/parallel/launcher.py).",
+               ("model_name", "tp", "dp", "ep", "sp", "nnodes"), _W),
     # --- a non-leader node of a multi-node group (workers/engine/parallel/node_process.py) ---
     MetricSpec("k3serve_node_ranks_ready", "gauge",
                "Ranks of this non-leader node that have loaded their shard and are alive.", (), ("node",)),
