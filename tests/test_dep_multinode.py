@@ -22,7 +22,6 @@ import re
 import signal
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -37,6 +36,7 @@ from k3serve.workers.engine.parallel.nodes import RemoteRank
 from k3serve.workers.llm import LLM
 from k3serve.workers.model.testing import random_config
 from tests._proc_tree import _listen_addrs, _tree
+from tests._sim_group import complete, group_leader_ip, kill_pod, offline_completion, one_gpu_node_decode_cr
 from tests._workers import ENV, _cli, _free_port, _Proc
 
 
@@ -220,28 +220,15 @@ def test_operator_simulate_runs_a_rendered_two_node_dep_group(tmp_path, tiny_mod
     from the pod contract's env (operator/render_workers.py); `k3serve operator simulate` runs them (pod IPs
     127.100.x.N) and the gateway serves the offline DEP2 engine's greedy completion; SIGKILL of the node pod
     makes the leader exit 1 (restartPolicy restarts both)."""
-    import openai
-    import yaml
     from _k8s_sim import start_simulation
 
-    from k3serve.sampling_params import SamplingParams
-
-    cr = yaml.safe_load((Path(__file__).resolve().parents[1] / "manifests/samples/tiny-cpu.yaml").read_text())
-    cr["spec"]["prefill"]["replicas"] = 0
-    cr["spec"]["kvStore"]["enabled"] = False
-    cr["spec"]["decode"].update(dataParallelSize=2, expertParallel=True, gpusPerNode=1)
-    cr["spec"]["decode"].pop("transferDevices", None)
+    cr = one_gpu_node_decode_cr(dataParallelSize=2)
     cr["spec"]["cache"].update(kvCacheMemory="8Mi", maxModelLen=512)
     sim = start_simulation(cr, tmp_path, model_dir=tiny_model_dir, operator=False, timeout=300)
     try:
-        leader_log, node_log = sim.log("tiny-decode-0-0"), sim.log("tiny-decode-0-1")
-        leader_ip = re.search(r"ready grpc=([\d.]+):", leader_log).group(1)
-        assert leader_ip.startswith("127.100.")
-        assert f"node 1 of 2 ready ranks=[1] leader={leader_ip}:29500" in node_log, node_log
-        client = openai.OpenAI(base_url=sim.gateway, api_key="none", max_retries=0, timeout=120)
-        got = client.completions.create(model="k3-tiny", prompt="The cache keeps", max_tokens=6, temperature=0,
-                                        extra_body={"ignore_eos": True}).choices[0].text
-        os.killpg(int((sim.root / "pods" / "tiny-decode-0-1" / "pid").read_text()), signal.SIGKILL)
+        assert group_leader_ip(sim, "tiny-decode-0-0", "tiny-decode-0-1").startswith("127.100.")
+        got = complete(sim)
+        kill_pod(sim, "tiny-decode-0-1")
         deadline = time.monotonic() + 30
         while "pod tiny-decode-0-0 exited with code 1" not in sim.output() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -249,12 +236,7 @@ def test_operator_simulate_runs_a_rendered_two_node_dep_group(tmp_path, tiny_mod
     finally:
         sim.stop()
     assert "data-parallel rank 1 exited (status lost: its node" in sim.log("tiny-decode-0-0")
-    offline = LLM(str(tiny_model_dir), max_model_len=512, data_parallel_size=2, enable_expert_parallel=True)
-    try:
-        ref = offline.generate("The cache keeps", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
-    finally:
-        offline.engine.close()
-    assert got == ref.outputs[0].text
+    assert got == offline_completion(tiny_model_dir, data_parallel_size=2)
 
 
 def test_dp_wire_round_trips_the_answers_and_never_unpickles():

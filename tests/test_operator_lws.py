@@ -16,10 +16,6 @@ LWS CRD (`RenderOptions.lws`: the operator's API discovery; `render --lws` / `si
 from __future__ import annotations
 
 import copy
-import os
-import re
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +27,14 @@ from k3serve.operator.render import render
 from k3serve.operator.render_context import RenderOptions
 from k3serve.operator.simulate_plan import Inputs, plan
 from k3serve.operator.testing import lws_schema, validate
+from tests._sim_group import (
+    complete,
+    complete_when,
+    group_leader_ip,
+    kill_pod,
+    offline_completion,
+    one_gpu_node_decode_cr,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,11 +51,8 @@ def _env(container: dict) -> dict[str, dict]:
 
 def _tp_on_one_gpu_nodes(tp: int) -> dict:
     """tiny-cpu.yaml with a decode pool of TP=`tp` on 1-GPU nodes (tp pods per group), no prefill, no store."""
-    cr = _sample("tiny-cpu.yaml")
-    cr["spec"]["prefill"]["replicas"] = 0
-    cr["spec"]["kvStore"]["enabled"] = False
-    cr["spec"]["decode"].update(tensorParallelSize=tp, expertParallel=True, gpusPerNode=1)
-    cr["spec"]["decode"].pop("transferDevices", None)
+    cr = one_gpu_node_decode_cr(tensorParallelSize=tp)
+    cr["metadata"]["namespace"] = "demo"
     return cr
 
 
@@ -129,11 +130,7 @@ def test_simulate_plans_the_lws_controllers_pods(tmp_path):
 
 
 def test_operator_simulate_lws_group_serves_and_recreates_on_a_lost_node(tmp_path, tiny_model_dir):
-    import openai
     from _k8s_sim import start_simulation
-
-    from k3serve.sampling_params import SamplingParams
-    from k3serve.workers.llm import LLM
 
     cr = _tp_on_one_gpu_nodes(2)
     cr["metadata"].pop("namespace")
@@ -142,33 +139,12 @@ def test_operator_simulate_lws_group_serves_and_recreates_on_a_lost_node(tmp_pat
                            extra_args=["--lws"])
     try:
         assert "operator status phase=Ready" in sim.output(), sim.output()
-        leader_log, node_log = sim.log("tiny-decode-0"), sim.log("tiny-decode-0-1")
-        leader_ip = re.search(r"ready grpc=([\d.]+):", leader_log).group(1)
-        assert f"node 1 of 2 ready ranks=[1] leader={leader_ip}:29500" in node_log, node_log
-        client = openai.OpenAI(base_url=sim.gateway, api_key="none", max_retries=0, timeout=120)
-
-        def complete():
-            return client.completions.create(model="k3-tiny", prompt="The cache keeps", max_tokens=6,
-                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
-
-        first = complete()
-        os.killpg(int((sim.root / "pods" / "tiny-decode-0-1" / "pid").read_text()), signal.SIGKILL)
-        deadline, again = time.monotonic() + 150, None
-        while again is None and time.monotonic() < deadline:
-            if "recreating group 0 of LeaderWorkerSet/tiny-decode with tiny-decode-0" in sim.output():
-                try:
-                    again = complete()
-                except openai.APIError:
-                    time.sleep(1)
-            else:
-                time.sleep(0.5)
+        group_leader_ip(sim, "tiny-decode-0", "tiny-decode-0-1")
+        first = complete(sim)
+        kill_pod(sim, "tiny-decode-0-1")
+        again = complete_when(sim, "recreating group 0 of LeaderWorkerSet/tiny-decode with tiny-decode-0", 150)
         assert again is not None, sim.output()
     finally:
         sim.stop()
     assert sim.log("tiny-decode-0").count("ready grpc=") == 2  # the leader was recreated with its group
-    offline = LLM(str(tiny_model_dir), max_model_len=512, tensor_parallel_size=2, enable_expert_parallel=True)
-    try:
-        ref = offline.generate("The cache keeps", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
-    finally:
-        offline.engine.runner.close()
-    assert first == again == ref.outputs[0].text
+    assert first == again == offline_completion(tiny_model_dir, tensor_parallel_size=2)

@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -33,6 +32,14 @@ from k3serve.workers.engine.parallel.nodes import RemoteRank
 from k3serve.workers.llm import LLM
 from k3serve.workers.model.testing import random_config
 from tests._proc_tree import _listen_addrs, _tree
+from tests._sim_group import (
+    complete,
+    complete_when,
+    group_leader_ip,
+    kill_pod,
+    offline_completion,
+    one_gpu_node_decode_cr,
+)
 from tests._workers import ENV, _cli, _free_port, _Proc
 
 MAX_NEW = 4
@@ -209,43 +216,18 @@ def test_operator_simulate_runs_a_rendered_two_node_group(tmp_path, tiny_model_d
     serves greedy completions equal to the offline TP=2 engine on the same checkpoint; SIGKILL of the
     node pod makes the leader exit 1, the restarted pods form the group again and serve the same tokens;
     stopping the pods together stops the group cleanly (no lost-rank failure on either side)."""
-    import openai
-    import yaml
     from _k8s_sim import start_simulation
 
-    from k3serve.sampling_params import SamplingParams
-
-    cr = yaml.safe_load((Path(__file__).resolve().parents[1] / "manifests/samples/tiny-cpu.yaml").read_text())
-    cr["spec"]["prefill"]["replicas"] = 0
-    cr["spec"]["kvStore"]["enabled"] = False
-    cr["spec"]["decode"].update(tensorParallelSize=2, expertParallel=True, gpusPerNode=1)
-    cr["spec"]["decode"].pop("transferDevices", None)
+    cr = one_gpu_node_decode_cr(tensorParallelSize=2)
     cr["spec"]["cache"].update(kvCacheMemory="8Mi", maxModelLen=512)
     sim = start_simulation(cr, tmp_path, model_dir=tiny_model_dir, operator=False, timeout=300)
     try:
-        leader_log, node_log = sim.log("tiny-decode-0-0"), sim.log("tiny-decode-0-1")
-        assert "ready grpc=" in leader_log, leader_log
-        leader_ip = re.search(r"ready grpc=([\d.]+):", leader_log).group(1)
-        assert leader_ip.startswith("127.100.")
-        assert f"node 1 of 2 ready ranks=[1] leader={leader_ip}:29500" in node_log, node_log
-        client = openai.OpenAI(base_url=sim.gateway, api_key="none", max_retries=0, timeout=120)
-
-        def complete():
-            return client.completions.create(model="k3-tiny", prompt="The cache keeps", max_tokens=6,
-                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
-
-        first = complete()
+        assert "ready grpc=" in sim.log("tiny-decode-0-0"), sim.log("tiny-decode-0-0")
+        assert group_leader_ip(sim, "tiny-decode-0-0", "tiny-decode-0-1").startswith("127.100.")
+        first = complete(sim)
         # the node pod dies: the leader exits non-zero, both are restarted (restartPolicy), the group forms again
-        os.killpg(int((sim.root / "pods" / "tiny-decode-0-1" / "pid").read_text()), signal.SIGKILL)
-        deadline, again = time.monotonic() + 150, None
-        while again is None and time.monotonic() < deadline:
-            if "pod tiny-decode-0-0 exited with code 1; restart 1" in sim.output():
-                try:
-                    again = complete()
-                except openai.APIError:
-                    time.sleep(1)
-            else:
-                time.sleep(0.5)
+        kill_pod(sim, "tiny-decode-0-1")
+        again = complete_when(sim, "pod tiny-decode-0-0 exited with code 1; restart 1", 150)
         assert again is not None, sim.output()
     finally:
         sim.stop()
@@ -255,9 +237,4 @@ def test_operator_simulate_runs_a_rendered_two_node_group(tmp_path, tiny_model_d
     leader_last = leader_log.rsplit("ready grpc=", 1)[1]
     node_last = node_log.rsplit("node 1 of 2 ready", 1)[1]
     assert "the engine failed" not in leader_last and "exited (status" not in node_last, leader_last + node_last
-    offline = LLM(str(tiny_model_dir), max_model_len=512, tensor_parallel_size=2, enable_expert_parallel=True)
-    try:
-        ref = offline.generate("The cache keeps", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
-    finally:
-        offline.engine.runner.close()
-    assert first == again == ref.outputs[0].text
+    assert first == again == offline_completion(tiny_model_dir, tensor_parallel_size=2)
