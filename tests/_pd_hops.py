@@ -1,10 +1,12 @@
 """Driving real prefill/decode workers (tests/_workers.py) the way the router does (docs/serving.md "P/D:
 prefill, then decode"): the prefill hop, the decode hop (tokens, or tokens with their logprobs), both in turn
-(`pd`), the oracle's logprobs to check them against, and `_together` to send several at once."""
+(`pd`), the oracle's logprobs to check them against, `_together` to send several at once, and
+`decode_while_first_runs` for a data-parallel decode worker's spreading."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 from k3serve.proto import worker_pb2 as pb
 from k3serve.proto.convert import kv_transfer_result_from_proto, sampling_to_proto
@@ -84,3 +86,29 @@ def _together(fn, n):
     if errs:
         raise errs[0]
     return res
+
+
+def decode_while_first_runs(d, prompts, news, kvps, watch=None):
+    """decode_hop of request 0 on `d`, then of the others once request 0 runs (they arrive while it decodes, so
+    its data-parallel rank is the busier one); `watch()` is called over and over until all are done. The
+    (tokens, KvTransferResult) of each, in order."""
+    results = {}
+
+    def run(i):
+        results[i] = decode_hop(d, f"d{i}", prompts[i], news[i], kvps[i])
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and 0 not in results and d.stub.GetLoad(pb.LoadRequest(), timeout=5).running == 0:
+        time.sleep(0.01)
+    assert 0 not in results  # still decoding when the others arrive
+    rest = [threading.Thread(target=run, args=(i,)) for i in range(1, len(prompts))]
+    for t in rest:
+        t.start()
+    while watch is not None and any(t.is_alive() for t in [first, *rest]):
+        watch()
+        time.sleep(0.02)
+    for t in [first, *rest]:
+        t.join(120)
+    return [results[i] for i in range(len(prompts))]

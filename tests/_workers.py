@@ -2,7 +2,8 @@
 gRPC handle on a ready one (`_W`), and `worker_group`, which waits for a dict of started workers and, at the
 end, closes their channels and stops them (SIGTERM, wait, SIGKILL). A worker "pod" of a multi-node group
 (`_Proc`: its own session, so SIGKILL of the group kills its whole tree) runs `_cli`'s command line with
-`ENV`. `_metric` sums a metric in a worker's /metrics text."""
+`ENV`; `assert_node_exits_when_leader_lost` checks a group's node once its leader is lost. `_metric` sums a
+metric in a worker's /metrics text."""
 
 from __future__ import annotations
 
@@ -126,6 +127,19 @@ class _Proc:
         except ProcessLookupError:
             pass
         self.p.wait(10)
+
+
+def assert_node_exits_when_leader_lost(leader: _Proc, node: _Proc, how: str) -> None:
+    """SIGKILL of the leader's tree ("killed": its connections close) or SIGSTOP ("frozen": its sockets stay open,
+    its heartbeats stop): the node process exits 1 within 10 s, saying it stops."""
+    t0 = time.monotonic()
+    if how == "killed":
+        leader.kill_tree()
+    else:
+        os.killpg(leader.p.pid, signal.SIGSTOP)
+    node.p.wait(10)
+    assert node.p.returncode == 1 and time.monotonic() - t0 < 10, node.output()
+    assert "rank 1 exited (status 1); stopping this node" in node.output()
 
 
 def _metric(text, name, **labels):

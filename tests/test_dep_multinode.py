@@ -37,7 +37,7 @@ from k3serve.workers.llm import LLM
 from k3serve.workers.model.testing import random_config
 from tests._proc_tree import _listen_addrs, _tree
 from tests._sim_group import complete, group_leader_ip, kill_pod, offline_completion, one_gpu_node_decode_cr
-from tests._workers import ENV, _cli, _free_port, _Proc
+from tests._workers import ENV, _cli, _free_port, _Proc, assert_node_exits_when_leader_lost
 
 
 def _rounds(seed: int, vocab: int, n: int):
@@ -199,14 +199,7 @@ def test_leader_death_makes_the_dep_node_exit(dep_model, how):
         if how != "killed":
             _long_request(grpc_addr, "a", list(range(3, 40)), [])
             _wait(lambda: _rank_gauges(lurl).get(("num_requests_running", "0")) == 1.0)
-        t0 = time.monotonic()
-        if how == "killed":
-            leader.kill_tree()
-        else:
-            os.killpg(leader.p.pid, signal.SIGSTOP)
-        node.p.wait(10)
-        assert node.p.returncode == 1 and time.monotonic() - t0 < 10, node.output()
-        assert "rank 1 exited (status 1); stopping this node" in node.output()
+        assert_node_exits_when_leader_lost(leader, node, how)
         if how != "killed":
             assert "data-parallel rank 1: the group leader" in node.output() and "was silent for" in node.output()
     finally:

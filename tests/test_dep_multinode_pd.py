@@ -24,7 +24,7 @@ import pytest
 from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
-from tests._pd_hops import _sp, decode_hop, prefill_hop
+from tests._pd_hops import _sp, decode_hop, decode_while_first_runs, prefill_hop
 from tests._workers import _W, _cli, _free_port, _Proc
 
 SEED = 0  # random_config(0): LatentMoE (16 experts, norm, shared experts), AttnRes
@@ -74,32 +74,17 @@ def test_tp1_prefill_into_a_two_node_dep_decode_group(workers):
     news = [24, 4, 4]
     want = [reference_outputs(model, [p], n)[0] for p, n in zip(prompts, news)]
     kvps = [prefill_hop(w["P1"], f"p{i}", p, n) for i, (p, n) in enumerate(zip(prompts, news))]
-    results = {}
-
-    def run(i):
-        results[i] = decode_hop(w["D2"], f"d{i}", prompts[i], news[i], kvps[i])
-
-    first = threading.Thread(target=run, args=(0,))
-    first.start()
-    deadline = time.monotonic() + 60  # the later ones arrive while the first decodes on rank 0: rank 1 (remote)
-    while (time.monotonic() < deadline and 0 not in results
-           and w["D2"].stub.GetLoad(pb.LoadRequest(), timeout=5).running == 0):
-        time.sleep(0.01)
-    assert 0 not in results
-    rest = [threading.Thread(target=run, args=(i,)) for i in (1, 2)]
-    for t in rest:
-        t.start()
     seen = set()  # the DP ranks seen running a request (the leader's per-rank gauges)
-    while any(t.is_alive() for t in [first, *rest]):
+
+    def watch():
         text = httpx.get(w["D2"].murl + "/metrics", timeout=5).text
-        seen |= {m.group(1) for m in re.finditer(r'^k3serve_dp_rank_num_requests_running\{engine="(\d)",[^}]*\} '
-                                                 r'([1-9]\S*)$', text, re.M)}
-        time.sleep(0.02)
-    for t in [first, *rest]:
-        t.join(120)
+        seen.update(m.group(1) for m in re.finditer(r'^k3serve_dp_rank_num_requests_running\{engine="(\d)",[^}]*\} '
+                                                    r'([1-9]\S*)$', text, re.M))
+
+    # the later ones arrive while the first decodes on rank 0: rank 1 (remote)
+    got = decode_while_first_runs(w["D2"], prompts, news, kvps, watch)
     assert seen == {"0", "1"}, seen  # the other node's rank ran requests too
-    for i in range(3):
-        toks, res = results[i]
+    for i, (toks, res) in enumerate(got):
         assert toks == want[i], (i, res)
         assert res["outcome"] == "pulled" and res["bytes"] > 0, (i, res)
         assert res["pulled_tokens"] + res["local_cached_tokens"] == len(prompts[i]) - 1

@@ -8,15 +8,12 @@ request's KvTransferResult says "pulled" (rank 1's outcome reaches the gRPC laye
 from __future__ import annotations
 
 import random
-import threading
-import time
 
 import pytest
 
-from k3serve.proto import worker_pb2 as pb
 from k3serve.workers.model.testing import random_config
 from tests._engine_helpers import random_model_dir, reference_outputs
-from tests._pd_hops import decode_hop, prefill_hop
+from tests._pd_hops import decode_while_first_runs, prefill_hop
 from tests._workers import _start, worker_group
 
 SEED = 0  # random_config(0): LatentMoE (16 experts, norm, shared experts), AttnRes
@@ -40,26 +37,8 @@ def test_pd_into_dep_decode_pulls_on_both_ranks(pair):
     news = [24, 4, 4]
     want = [reference_outputs(d, [p], n)[0] for p, n in zip(prompts, news)]
     kvps = [prefill_hop(w["P"], f"p{i}", p, n) for i, (p, n) in enumerate(zip(prompts, news))]
-    results = {}
-
-    def run(i):
-        results[i] = decode_hop(w["D"], f"d{i}", prompts[i], news[i], kvps[i])
-
-    first = threading.Thread(target=run, args=(0,))
-    first.start()
     # the later ones arrive while the first one decodes: rank 0 is busier, they go to rank 1 (then by load)
-    deadline = time.monotonic() + 60
-    while (time.monotonic() < deadline and 0 not in results
-           and w["D"].stub.GetLoad(pb.LoadRequest(), timeout=5).running == 0):
-        time.sleep(0.01)
-    assert 0 not in results  # still decoding on rank 0 when the others arrive
-    rest = [threading.Thread(target=run, args=(i,)) for i in (1, 2)]
-    for t in rest:
-        t.start()
-    for t in [first, *rest]:
-        t.join(120)
-    for i in range(3):
-        toks, res = results[i]
+    for i, (toks, res) in enumerate(decode_while_first_runs(w["D"], prompts, news, kvps)):
         assert toks == want[i], (i, res)
         assert res["outcome"] == "pulled", (i, res)
         assert res["pulled_tokens"] + res["local_cached_tokens"] == len(prompts[i]) - 1 and res["bytes"] > 0
