@@ -142,7 +142,8 @@ def test_leader_death_makes_the_node_exit(tp2_model, how):
 
 def test_frozen_node_makes_the_leader_exit_and_then_exits_itself(tp2_model):
     """A node that stops answering (SIGSTOP: no FIN, no heartbeats) is lost after the heartbeat timeout;
-    the leader exits non-zero within 10 s; thawed, the node reads the leader's stop and exits."""
+    the leader exits non-zero within 10 s; thawed, the node finds its link closed with no stop in it (it was
+    lost, not stopped: launcher.stop_ranks) and exits 1 (mid-decode: tests/test_tp_multinode_health.py)."""
     leader, lurl, node, _ = _start_group(tp2_model)
     try:
         assert httpx.get(lurl + "/health", timeout=5).status_code == 200
@@ -152,8 +153,8 @@ def test_frozen_node_makes_the_leader_exit_and_then_exits_itself(tp2_model):
         assert leader.p.returncode not in (None, 0) and time.monotonic() - t0 < 10, leader.output()
         assert re.search(r"tensor-parallel rank 1 exited \(status lost: its node \(\S+\) was silent for",
                          leader.output()), leader.output()
-        os.killpg(node.p.pid, signal.SIGCONT)  # the stop the leader sent as it gave up waits in the socket
-        assert node.p.wait(15) == 0, node.output()
+        os.killpg(node.p.pid, signal.SIGCONT)
+        assert node.p.wait(15) == 1 and "Traceback" not in node.output(), node.output()
     finally:
         leader.kill_tree()
         node.kill_tree()

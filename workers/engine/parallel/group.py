@@ -56,8 +56,8 @@ def join_store(port: int, world_size: int, timeout_s: float, host: str = LOOPBAC
 
 class RankGroup:
     """rank / size and the collectives, each blocking (`.wait()`); a peer that died makes them raise
-    (its sockets close), a peer that hangs makes them raise after `timeout_s`. With `watch` set (a DEP group
-    spanning nodes: workers/engine/parallel/dp_engine.py), a collective still waiting calls it every WATCH_S,
+    (its sockets close), a peer that hangs makes them raise after `timeout_s`. With `watch` set (a TP or DEP
+    group spanning nodes: workers/engine/parallel/launcher.py, dp_engine.py), a collective still waiting calls it every WATCH_S,
     so a peer known lost (its node silent: workers/engine/parallel/nodes.py) fails the wait before
     `timeout_s` (watch raises; a gloo wait cannot be aborted otherwise)."""
 

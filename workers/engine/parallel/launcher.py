@@ -19,7 +19,10 @@ settles the request once every rank has answered.
 
 Failure: a rank that exits (killed, crashed) is seen by rank 0 at the next step before anything is sent
 (`RankFailedError` naming the rank and its exit code), or inside a step's collective (its sockets close:
-gloo raises at once); a rank that hangs makes the collective raise after `timeout_s`. After one failure
+gloo raises at once); a rank that hangs makes the collective raise after `timeout_s`, or, on another node,
+once its node link has been silent for nodes.HEARTBEAT_TIMEOUT_S (RankGroup.watch: rank 0 checks its peers, a
+remote rank its LeaderLink, every second while a collective waits; so a frozen node or leader fails a step
+within ~6 s). A node taken for lost is not told to stop (`stop_ranks`): thawed, it exits 1. After one failure
 the runner stays failed, and the other ranks are stopped. A rank whose rank 0 is gone sees its pipe close
 and exits with status 1. Ranks spanning nodes (`nnodes` > 1: the leader node's ranks are spawned here,
 the other nodes' ranks connect to rank 0 over TCP and stand in `peers` like local ones):
@@ -220,8 +223,12 @@ class ParallelModelRunner(ModelRunner):
 
 
 def stop_ranks(peers) -> None:
-    """Tell each spawned rank to exit, then kill those that do not within 5 s (TP and DEP groups)."""
-    for _rank, _proc, conn in peers:
+    """Tell each spawned rank to exit, then kill those that do not within 5 s (TP and DEP groups). A rank
+    already taken for dead (exited, or a node lost: nodes.RemoteRank.exitcode) is not told to stop: a frozen
+    node thawed later finds its link closed with no stop in it and exits 1 (it was lost, not stopped)."""
+    for _rank, proc, conn in peers:
+        if proc.exitcode is not None:
+            continue
         try:
             conn.send(None)
         except OSError:
@@ -297,6 +304,8 @@ def start_parallel_runner(args, cfg, weights, layout, num_blocks: int, dtype: to
         runner = ParallelModelRunner(rank_cfg, shard, layout, num_blocks, dtype, group=group, plan=plan,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, peers=peers)
+        if any(isinstance(proc, multinode.RemoteRank) for _r, proc, _c in peers):
+            group.watch = runner.check_peers  # a frozen node fails a waiting collective (RankFailedError naming it)
         if spec.transfer is not None:  # each rank's own agent over its own pages (P/D)
             from k3serve.workers.kv_transfer.handshake import RankEndpoint
 
@@ -345,6 +354,8 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
                                      plan=plan, max_num_batched_tokens=spec.max_num_batched_tokens,
                                      max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len)
         runner.static_decode = spec.static_decode
+        if isinstance(conn, multinode.LeaderLink):  # a rank on another node: a frozen leader fails a waiting collective
+            group.watch = _leader_watch(rank, conn)
         transfer = None
         if spec.transfer is not None:
             transfer, endpoint = _rank_transfer(rank, spec, runner)
@@ -355,8 +366,10 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
                 _report_pulls(transfer, conn)
             try:
                 sched = conn.recv()
-            except EOFError:  # rank 0 is gone
+            except EOFError as e:  # rank 0 is gone
                 status = 1
+                if isinstance(conn, multinode.LeaderLink):  # a rank on another node: say why, one line
+                    log.error("tensor-parallel rank %d, between steps: %s", rank, e)
                 break
             if sched is None:
                 break
@@ -369,9 +382,50 @@ def rank_main(rank: int, spec: RankSpec, conn) -> None:
             transfer.shutdown()
     except BaseException as e:  # noqa: BLE001 - reported to rank 0 (while starting) and in the exit status
         status = 1
+        why = _one_line(e)
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send(("error", why))
         except OSError:
             pass
-        log.error("tensor-parallel rank %d failed: %s", rank, e)
+        log.error("tensor-parallel rank %d failed: %s", rank, why)
     os._exit(status)
+
+
+def _one_line(e: BaseException) -> str:
+    """`Type: first line of the message` (gloo's errors run over many lines)."""
+    text = str(e).strip()
+    if isinstance(e, RankFailedError):
+        return text.splitlines()[0] if text else "RankFailedError"
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _leader_watch(rank: int, link):
+    """RankGroup.watch of a rank on another node (group.py): the leader frozen mid-step (sockets open, no
+    heartbeats: nodes.LeaderLink.check) fails the collective's wait instead of gloo's timeout."""
+    def leader_alive() -> None:
+        try:
+            link.check()
+        except EOFError as e:
+            raise RankFailedError(f"in a collective: {e}") from None
+
+    return leader_alive
+
+
+def parallel_layout(engine) -> dict[str, int]:
+    """What the engine's rank 0 runs, read from the runner it built (not from the arguments asked for):
+    tp / dp (ranks of the TP or DEP group), ep (experts sharded over them), sp (the sequence-parallel model of
+    seq_parallel.py), nnodes (the group's ranks over those on this node). 1 / 0 for a one-rank engine.
+    The worker exports it as k3serve_parallel_layout (workers/metrics.py)."""
+    from k3serve.workers.engine.parallel.dp_model import DEPForwardModel
+
+    runner = engine.runner
+    model, group = getattr(runner, "model", None), getattr(runner, "group", None)
+    size = group.size if group is not None else 1
+    local = 1 + sum(1 for _r, proc, _c in getattr(runner, "peers", ()) if not isinstance(proc, multinode.RemoteRank))
+    out = dict(tp=1, dp=1, ep=0, sp=0, nnodes=max(1, size // local))
+    if isinstance(model, DEPForwardModel):
+        out.update(dp=size, ep=1)
+    elif isinstance(model, ParallelK3ForwardModel):
+        plan = model.plan
+        out.update(tp=size, ep=int(plan.expert_parallel), sp=int(isinstance(model, SequenceParallelK3ForwardModel)))
+    return out

@@ -38,6 +38,7 @@ from k3serve.workers.engine.parallel.group import LOOPBACK, RendezvousError, _li
 log = logging.getLogger(__name__)
 
 STEP_PORT_KEY = "k3serve/step-port"
+_STOP = pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL)  # the leader's stop, as RemoteRank.send frames it
 HEARTBEAT_S = 1.0
 SEND_TIMEOUT_S = 3.0
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("K3SERVE_NODE_HEARTBEAT_TIMEOUT_S", "5"))
@@ -326,8 +327,16 @@ class LeaderLink(_Link):
             raise EOFError(f"the group leader {self.peer} was silent for {self.silent_for():.1f} s")
 
     def recv(self):
+        """The leader's next message. Once the link has closed, what is still buffered was sent to a rank the
+        leader has given up on (a node frozen, then thawed): only its stop (None) counts, else EOFError (the
+        leader tells no lost rank to stop: launcher.stop_ranks, so a lost node exits 1)."""
         while True:
-            if self._read(0.5) and self.buffered:
+            if self._read(0.5) and self.closed:
+                if _STOP in self.buffered:
+                    self.buffered.clear()
+                    return None
+                self.buffered.clear()
+            if self.buffered:
                 return pickle.loads(self.buffered.pop(0))
             if self.closed:
                 raise EOFError(f"the group leader {self.peer} closed the connection")
