@@ -173,6 +173,9 @@ def test_serving_leader_per_rank_metrics_and_node_death(dep_model, how):
         g = _wait(lambda: (lambda g: g if g.get(("num_requests_running", "1")) == 1.0 else None)(_rank_gauges(lurl)))
         assert g[("num_requests_running", "0")] == 1.0 and g[("kv_cache_usage_perc", "1")] > 0.0, g
         assert httpx.get(lurl + "/health", timeout=5).status_code == 200
+        # the layout the front runs, read from its runner (workers/engine/parallel/launcher.py parallel_layout)
+        assert re.search(r'^k3serve_parallel_layout\{dp="2",ep="1",model_name="m",nnodes="2",sp="0",tp="1"\} 1\.0$',
+                         httpx.get(lurl + "/metrics", timeout=5).text, re.M)
         t0 = time.monotonic()
         if how == "killed":
             node.kill_tree()  # the node pod dies mid-decode: its rank and the node process
@@ -180,6 +183,9 @@ def test_serving_leader_per_rank_metrics_and_node_death(dep_model, how):
             os.killpg(node.p.pid, signal.SIGSTOP)
         leader.p.wait(10)
         took = time.monotonic() - t0
+        if how != "killed":  # thawed: lost, not stopped (no stop in its closed link): exit 1, no traceback
+            os.killpg(node.p.pid, signal.SIGCONT)
+            assert node.p.wait(15) == 1 and "Traceback" not in node.output(), node.output()
     finally:
         leader.kill_tree()
         node.kill_tree()
