@@ -314,7 +314,8 @@ def dp_rank_main(rank: int, spec: RankArgs, conn) -> None:
         while True:
             try:
                 msg = conn.recv()
-            except EOFError:  # the leader is gone
+            except EOFError as e:  # the leader is gone (a node link says why: closed, or silent for how long)
+                log.error("data-parallel rank %d: %s", rank, e or "the leader's pipe closed")
                 status = 1
                 break
             if msg is None:
