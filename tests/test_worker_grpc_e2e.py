@@ -125,10 +125,12 @@ def test_sigterm_exits_cleanly(worker):
     assert time.monotonic() - t0 < 10
 
 
-def test_unimplemented_layout_is_refused(tiny_model_dir):
-    """--role prefill|decode are served (tests/test_pd_workers.py), with TP too (tests/test_pd_hetero_tp.py);
-    a data-parallel prefill pool is not yet."""
-    r = subprocess.run(_cmd(tiny_model_dir, "--role", "prefill", "--data-parallel-size", "2",
-                            "--enable-expert-parallel"), capture_output=True,
+def test_unsplittable_layout_is_refused(tiny_model_dir):
+    """Every layout the flags can name is served now (P/D with TP, DEP prefill/decode, groups over nodes:
+    tests/test_pd_hetero_tp.py, tests/test_dep_prefill.py, tests/test_dep_multinode.py); one that cannot be laid
+    out (ranks that do not split evenly over the nodes) is one line and exit 2 before any rank starts."""
+    r = subprocess.run(_cmd(tiny_model_dir, "--tensor-parallel-size", "3", "--nnodes", "2"), capture_output=True,
                        text=True, timeout=60, env=dict(os.environ, PYTHONSAFEPATH="1"))
-    assert r.returncode == 2 and "are not implemented" in r.stdout, (r.stdout, r.stderr)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "--tensor-parallel-size=3 does not split over --nnodes=2" in out, (r.stdout, r.stderr)
+    assert "Traceback" not in out
