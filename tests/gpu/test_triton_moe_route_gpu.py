@@ -12,17 +12,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from k3serve.kernels import reference  # noqa: E402
 from k3serve.kernels.reference.mxfp4 import mxfp4_quantize  # noqa: E402
 from k3serve.kernels.triton import moe  # noqa: E402
+from tests.test_triton_moe_route import _torch_form  # noqa: E402  (the PyTorch form, one definition)
 
 DEV = "cuda"
-
-
-def _torch_form(ids, E):
-    old = moe.ROUTE_KERNEL
-    moe.ROUTE_KERNEL = False
-    try:
-        return moe.route_blocks(ids, E, count=True)
-    finally:
-        moe.ROUTE_KERNEL = old
 
 
 def _ids(g, T, E, k, invalid):
