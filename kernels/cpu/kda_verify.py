@@ -31,6 +31,25 @@ MAX_TOKENS = 9
 """Longest sequence (tokens in this step) the token walk takes: 1 + k for k <= 8 drafts."""
 
 
+def padded_token_index(starts: list[int], lens: list[int], pad_row: int) -> torch.Tensor:
+    """[R, max(lens)]: row r's tokens starts[r] .. starts[r] + lens[r] - 1 of a token-major tensor, then `pad_row`
+    (the index of an appended zero row) up to the longest row: the padded [R, Lt] layout of the token walks."""
+    Lt = max(lens)
+    return torch.tensor([[s0 + t if t < n else pad_row for t in range(Lt)] for s0, n in zip(starts, lens)])
+
+
+def conv_over_history(conv_states: torch.Tensor, idx: torch.Tensor, init: list[bool], x: torch.Tensor,
+                      w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The short conv of padded chunks x [R, Lt, C] after their windows conv_states[idx] (zeros where not init),
+    which are only read: (full [R, W-1+Lt, C] = [history | chunk], y [R, Lt, C] = SiLU of the window product), in
+    x's dtype. The window product: a grouped conv1d costs ~150 us at these sizes."""
+    hist = conv_states.index_select(0, idx).to(x.dtype)  # [R, C, W-1]
+    if not all(init):
+        hist = torch.where(torch.tensor(init)[:, None, None], hist, 0)
+    full = torch.cat([hist.transpose(1, 2), x], dim=1)
+    return full, F.silu((full.unfold(1, w.shape[1], 1) * w.to(x.dtype)).sum(-1))
+
+
 def kda_verify_composed(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit, state_pool,
                         state_indices, cu_seqlens, has_initial_state, *, lower_bound=None, scale=None,
                         checkpoint_seq=None, checkpoint_offsets=None, checkpoint_slots=None,
@@ -87,17 +106,12 @@ def kda_verify(qkv, conv_weight, conv_states, raw_g, A_log, dt_bias, beta_logit,
         x = qkv.reshape(n, Lt, C)
         tok = None
     else:  # padded layout: row N of the padded inputs is the padding token (zeros)
-        tok = torch.tensor([[cu[b] + t if t < lens[b] else N for t in range(Lt)] for b in live])
+        tok = padded_token_index([cu[b] for b in live], [lens[b] for b in live], N)
         x = torch.cat([qkv, qkv.new_zeros(1, C)])[tok]
     idx = torch.tensor([slots[b] for b in live])
     init_l = [init[b] for b in live]
     # -- short conv: [history | chunk] per sequence, the windows of the whole batch at once
-    hist = conv_states.index_select(0, idx)  # [n, C, W-1]
-    if not all(init_l):
-        hist = torch.where(torch.tensor(init_l)[:, None, None], hist, 0)
-    full = torch.cat([hist.transpose(1, 2), x], dim=1)  # [n, W-1+Lt, C]: history, then the chunk
-    # the window product (a grouped conv1d costs ~150 us here at these sizes)
-    y = F.silu((full.unfold(1, W, 1) * w.to(dt)).sum(-1))  # [n, Lt, C]
+    full, y = conv_over_history(conv_states, idx, init_l, x, w)  # [n, W-1+Lt, C], [n, Lt, C]
     qk = l2_normalize(y[..., :2 * P].reshape(n, Lt, 2 * h, K), 1e-6)  # q and k normalised together
     q = qk[:, :, :h] * (K ** -0.5 if scale is None else scale)
     k = qk[:, :, h:, None, :]  # [n, Lt, H, 1, K]

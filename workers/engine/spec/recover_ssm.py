@@ -325,33 +325,35 @@ WALK_MAX_TOKENS = 9
 """Longest verified chunk the CPU token walk takes (1 + k for k <= 8; kernels/cpu/kda_verify.py's bound)."""
 
 
+def _row_starts(lens: list[int]) -> list[int]:
+    """Where each of the back-to-back rows of `lens` tokens starts."""
+    starts, at = [], 0
+    for n in lens:
+        starts.append(at)
+        at += n
+    return starts
+
+
 def _conv_walk(x: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor, slots: list[int],
                init: list[bool], lens: list[int]) -> torch.Tensor:
     """ops.causal_conv1d_varlen(activation="silu") over the verified rows (x [Tv, C], `lens` tokens each) from their
     windows conv_states[slots] (zeros where not init), which are only READ: every row's [history | chunk] at once
     and the window product, as kernels/cpu/kda_verify.py does (a grouped conv per row costs several times more at
     these sizes). Returns y [Tv, C] in x's dtype."""
+    from k3serve.kernels.cpu.kda_verify import conv_over_history, padded_token_index
     from k3serve.kernels.reference._varlen import compute_dtype
 
     Tv, C = x.shape
     R, Lt = len(lens), max(lens)
     dt = compute_dtype(x, conv_states)
-    w = (conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight).to(dt)  # [C, W]
-    W = w.shape[1]
+    w = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight  # [C, W]
     dense = all(n == Lt for n in lens)
     if dense:
         xp = x.to(dt).view(R, Lt, C)
     else:
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        tok = torch.tensor([[cu[r] + t if t < lens[r] else Tv for t in range(Lt)] for r in range(R)])
+        tok = padded_token_index(_row_starts(lens), lens, Tv)
         xp = torch.cat([x.to(dt), x.new_zeros((1, C), dtype=dt)])[tok]
-    hist = conv_states.index_select(0, torch.tensor(slots)).to(dt)  # [R, C, W-1]
-    if not all(init):
-        hist = torch.where(torch.tensor(init)[:, None, None], hist, 0)
-    full = torch.cat([hist.transpose(1, 2), xp], dim=1)  # [R, W-1+Lt, C]
-    y = torch.nn.functional.silu((full.unfold(1, W, 1) * w).sum(-1))  # [R, Lt, C]
+    _, y = conv_over_history(conv_states, torch.tensor(slots), init, xp, w)  # [R, Lt, C]
     if dense:
         return y.reshape(Tv, C).to(x.dtype)
     return torch.cat([y[r, :lens[r]] for r in range(R)]).to(x.dtype)
@@ -366,6 +368,7 @@ def _verify_walk(q, k, v, g, beta, state_pool, slots: list[int], init: list[bool
     (the WY form's pseudo-value: S_t = S'_{t-1} + u_t k_tᵀ); o_t = S_t q_t. q, k, g [Tv, H, K], v [Tv, H, V], beta
     [Tv, H] for the verified rows back to back (`lens` tokens each); row r's corrections go to corrections[r, :lens[r]].
     Returns o [Tv, H, V] in v's dtype."""
+    from k3serve.kernels.cpu.kda_verify import padded_token_index
     from k3serve.kernels.reference._varlen import compute_dtype
     from k3serve.kernels.reference.norms import l2_normalize
 
@@ -378,10 +381,8 @@ def _verify_walk(q, k, v, g, beta, state_pool, slots: list[int], init: list[bool
         def pad(t):
             return t.to(dt).reshape(R, Lt, *t.shape[1:])
     else:  # row Tv of the padded inputs is the padding token (zeros)
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        tok = torch.tensor([[cu[r] + t if t < lens[r] else Tv for t in range(Lt)] for r in range(R)])
+        cu = _row_starts(lens) + [sum(lens)]
+        tok = padded_token_index(cu[:-1], lens, Tv)
 
         def pad(t):
             return torch.cat([t.to(dt), t.new_zeros((1, *t.shape[1:]), dtype=dt)])[tok]
