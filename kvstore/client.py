@@ -1,7 +1,7 @@
 """StoreClient: the one owner of a `MooncakeDistributedStore`, so a closed client is never called.
 
 Calling `put`/`is_exist`/`remove` on a closed Mooncake client segfaults the process
-(/work/shared/design/mooncake-on-cpu.md). Every call here goes through `_call`, which refuses (raises
+(measured here; docs/kvstore.md). Every call here goes through `_call`, which refuses (raises
 `StoreClosed`) once `close()` has begun, and `close()` waits for the calls in flight to return
 before it closes the native client. The native object is never handed out.
 

@@ -1,7 +1,7 @@
 """Private network namespaces: where local Mooncake clients (and their tests) must run.
 
 Every Mooncake store client opens listeners on all interfaces (0.0.0.0 and [::], hard-coded; no
-option changes it — /work/shared/design/mooncake-on-cpu.md). Locally the only safe place for one is a
+option changes it — docs/kvstore.md). Locally the only safe place for one is a
 network namespace whose only interface is loopback. Two ways in, both need root (CAP_SYS_ADMIN):
 
 * `enter_private_netns()`: move the *calling thread* (call it on the main thread, before any thread

