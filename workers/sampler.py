@@ -12,6 +12,7 @@ from k3serve.workers.sample import (
     compute_logprobs,
     gather_logprobs,
     make_generator,
+    plain_greedy,
     token_ranks,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "compute_logprobs",
     "gather_logprobs",
     "make_generator",
+    "plain_greedy",
     "token_ranks",
 ]

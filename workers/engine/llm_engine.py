@@ -23,7 +23,7 @@ from k3serve.workers.engine.kv_connector.base import ConnectorContext, KVConnect
 from k3serve.workers.engine.model_runner import ModelRunner
 from k3serve.workers.engine.request import Request, RequestStatus
 from k3serve.workers.engine.scheduler import Scheduler
-from k3serve.workers.sampler import Sampler, SamplingState
+from k3serve.workers.sampler import Sampler, SamplingState, plain_greedy
 from k3serve.workers.structured.stage import StructuredStage
 
 log = logging.getLogger(__name__)
@@ -448,10 +448,17 @@ class LLMEngine:
             self.spec_stats.count(req_drafts, result.num_accepted)
         elif sample_chunks:
             seqs = [self.seqs[c.request_id] for c in sample_chunks]
-            result = self.sampler(logits, [s.sampling for s in seqs])
-            for row, (s, tok) in enumerate(zip(seqs, result.token_ids)):
-                sampled[s.req.request_id] = int(tok)
-                lps[s.req.request_id] = result.logprobs[row] if result.logprobs else None
+            states = [s.sampling for s in seqs]
+            toks = None if failed else self._greedy_ids(states)
+            if toks is not None:  # every row plain greedy: the step's own argmax, no sampler
+                for s, tok in zip(seqs, toks):
+                    sampled[s.req.request_id] = tok
+                    lps[s.req.request_id] = None
+            else:
+                result = self.sampler(logits, states)
+                for row, (s, tok) in enumerate(zip(seqs, result.token_ids)):
+                    sampled[s.req.request_id] = int(tok)
+                    lps[s.req.request_id] = result.logprobs[row] if result.logprobs else None
         got = self.scheduler.update_from_output(sched, sampled, kv_out)
         if self.spec is not None:
             self.runner.commit_speculation(self.scheduler.spec_commits)
@@ -475,6 +482,15 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step_time = time.monotonic() - t0
         return outputs
+
+    def _greedy_ids(self, states: list[SamplingState]) -> list[int] | None:
+        """The step's tokens from the runner's in-step argmax (ModelRunner.take_greedy_ids: fixed-shape decode
+        steps, inside the CUDA graph on CUDA) when every row is plain greedy (workers/sample/sampler.py
+        `plain_greedy`: the sampler would return that argmax and nothing else), else None (the sampler runs)."""
+        take = getattr(self.runner, "take_greedy_ids", None)
+        if take is None or not all(plain_greedy(st) for st in states):
+            return None
+        return take(len(states))
 
     def _process_run(self, s: _Seq, toks: list[int], lps, now: float) -> None:
         """The output processor over a verify step's tokens (the scheduler appended them, stopping at a

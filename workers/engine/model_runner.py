@@ -20,6 +20,11 @@ from k3serve.workers.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
+# Fixed-shape decode steps also compute each row's argmax token inside the step (in the CUDA graph on CUDA), which
+# the engine takes instead of running the sampler when every row is plain greedy (LLMEngine._greedy_ids).
+# benchmarks/decode_roofline.py's "graphs-s6" mode turns it off, to time before and after in one process.
+GRAPH_GREEDY = True
+
 
 class InputBuffers:
     """Fixed-capacity device buffers; `view(T, B)` hands out the leading slices."""
@@ -323,6 +328,12 @@ class ModelRunner:
         self.rollback = None  # speculative decoding: a workers/engine/spec/rollback.py RollbackScheme
         self.static_verify = None  # workers/engine/spec/static_verify.py StaticVerify (fixed-shape verify steps)
         self._verify_rows: dict = {}
+        # after a fixed-shape decode step: Tensor[size] int64 on the device, each row's argmax of the step's logits
+        # (GRAPH_GREEDY; None after any other step); `take_greedy_ids` reads it
+        self.greedy_ids: torch.Tensor | None = None
+        self.num_greedy_steps = 0  # steps whose tokens were `take_greedy_ids`' (no sampler)
+        self._ids_host: torch.Tensor | None = None  # pinned host copy of greedy_ids (CUDA)
+        self._ids_event = None
 
     def enable_speculation(self, scheme_cls, num_speculative_tokens: int, max_num_seqs: int,
                            keep_hidden: bool) -> None:
@@ -362,6 +373,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns logits for the chunks with `sample=True`, in chunk order (None for
         a step with no chunks: only the block-table deltas and page copies are applied)."""
+        self.greedy_ids = None
         self.inputs.apply(sched)
         self.kv.copy_blocks(sched.copies)
         n = len(sched.chunks)
@@ -371,7 +383,10 @@ class ModelRunner:
             size = next(c for c in self.capture_sizes if c >= n)
             if self.device.type != "cuda":
                 self.num_static_decode_steps += 1
-                return self.model.forward(self.inputs.prepare_decode(sched, size))[:n]
+                logits = self.model.forward(self.inputs.prepare_decode(sched, size))
+                if GRAPH_GREEDY:
+                    self.greedy_ids = logits.argmax(dim=-1)
+                return logits[:n]
             graph = self.graphs.get(size) or self._capture(size)
             if graph is not None:
                 self.num_static_decode_steps += 1
@@ -379,6 +394,7 @@ class ModelRunner:
                 graph.graph.replay()
                 if graph.hidden is not None:  # the MTP drafter reads every row's hidden state
                     self.model.hidden = graph.hidden[:n]
+                self.greedy_ids = graph.ids
                 return graph.logits[:n]
             # capture refused (the step waits for the host): this step and the next ones run eagerly
         if sched.spec_token_ids and self.static_verify is not None:
@@ -418,9 +434,30 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             logits = self.model.forward(batch)
+            ids = logits.argmax(dim=-1) if GRAPH_GREEDY else None
         self._graph_pool = graph.pool()
-        self.graphs[size] = _Graph(graph, batch, logits, self.model.hidden if self.model.keep_hidden else None)
+        self.graphs[size] = _Graph(graph, batch, logits, self.model.hidden if self.model.keep_hidden else None, ids)
         return self.graphs[size]
+
+    def take_greedy_ids(self, n: int) -> list[int] | None:
+        """The last step's first `n` rows' argmax tokens as host ints (None unless that step was a fixed-shape
+        decode step with GRAPH_GREEDY): ties go to the lowest id, as the sampler's argmax over its float copy of
+        the same logits (the same values), so a plain-greedy row gets the sampler's token. On CUDA one small
+        copy into pinned memory, then a wait for it (the step's one host sync). Once per step."""
+        ids, self.greedy_ids = self.greedy_ids, None
+        if ids is None:
+            return None
+        self.num_greedy_steps += 1
+        if ids.device.type != "cuda":
+            return ids[:n].tolist()
+        if self._ids_host is None or self._ids_host.numel() < ids.numel():
+            self._ids_host = torch.empty(ids.numel(), dtype=ids.dtype).pin_memory()
+            self._ids_event = torch.cuda.Event()
+        host = self._ids_host[:n]
+        host.copy_(ids[:n], non_blocking=True)
+        self._ids_event.record()
+        self._ids_event.synchronize()
+        return host.tolist()
 
 
     def _host_sync_in_step(self, batch: ForwardBatch) -> str | None:
@@ -443,6 +480,7 @@ class _Graph:
     batch: ForwardBatch
     logits: torch.Tensor
     hidden: torch.Tensor | None = None  # the pre-final-norm states of every row (speculative decoding, MTP)
+    ids: torch.Tensor | None = None  # each row's argmax of `logits`, computed in the graph (GRAPH_GREEDY)
 
 
 def _decode_only(sched: SchedulerOutput) -> bool:

@@ -24,6 +24,23 @@ from .processors import apply_logit_bias, apply_min_tokens, apply_penalties
 from .state import SamplerOutput, SamplingState
 
 
+def plain_greedy(st: SamplingState) -> bool:
+    """True when the pipeline above returns exactly the row's argmax and nothing else: greedy (5), no logprobs (4),
+    nothing of 1-3b in force (no logit bias, min_tokens reached, no penalties, no active grammar). For such rows
+    the engine may take an argmax computed elsewhere (ModelRunner.take_greedy_ids) instead of calling the sampler."""
+    p = st.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and len(st.output_token_ids) >= p.min_tokens
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and (st.structured is None or not st.structured.active)
+    )
+
+
 class Sampler:
     """Stateless apart from the global generator used by rows without a seed.
 

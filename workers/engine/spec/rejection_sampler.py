@@ -45,6 +45,7 @@ from k3serve.workers.sample.filters import apply_min_p, apply_temperature, apply
 from k3serve.workers.sample.logprobs import compute_logprobs, gather_logprobs
 from k3serve.workers.sample.processors import apply_logit_bias, apply_min_tokens, apply_penalties
 from k3serve.workers.sample.sampler import Sampler
+from k3serve.workers.sample.sampler import plain_greedy as _plain_greedy  # the plain Sampler's rule
 from k3serve.workers.sample.state import LogprobEntry, SamplingState
 
 
@@ -279,14 +280,6 @@ class RejectionSampler:
                     if counts[j]:
                         uniforms[j, : counts[j]].uniform_(generator=scratch)
         return noise.clamp_min_(torch.finfo(dt).tiny), uniforms
-
-
-def _plain_greedy(st: SamplingState) -> bool:
-    """Greedy with nothing that changes the logits at any verified position and no logprobs."""
-    p = st.params
-    return (p.greedy and p.logprobs is None and not p.logit_bias and len(st.output_token_ids) >= p.min_tokens
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and (st.structured is None or not st.structured.active))
 
 
 def _greedy_fast(logits: torch.Tensor, drafts: list[list[int]], counts: list[int]) -> SpecSamplerOutput:
