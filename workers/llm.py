@@ -63,8 +63,17 @@ class LLM:
     def _run(self, order: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         want = set(order)
-        while want - done.keys():
-            for out in self.engine.step():
-                if out.finished and out.request_id in want:
-                    done[out.request_id] = out
+        eng = self.engine
+        before = eng.__dict__.get("final_outputs_only")
+        eng.final_outputs_only = True  # only finished outputs are kept here: the engine builds no others
+        try:
+            while want - done.keys():
+                for out in eng.step():
+                    if out.finished and out.request_id in want:
+                        done[out.request_id] = out
+        finally:
+            if before is None:
+                del eng.final_outputs_only
+            else:
+                eng.final_outputs_only = before
         return [done[r] for r in order]

@@ -395,6 +395,10 @@ class LLMEngine:
         return len(self.parents)
 
     # -- the step ------------------------------------------------------------------------------
+    # True: step() returns the outputs of requests that finished in it only (vLLM's FINAL_ONLY output kind; the
+    # offline LLM.generate loop sets it while it runs: it keeps only those), not one per request per step
+    final_outputs_only = False
+
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         outputs: list[RequestOutput] = []
@@ -476,8 +480,10 @@ class LLMEngine:
             self._propose(sched, failed)
         self._publish_events()
         for parent in changed.values():
-            outputs.append(self._make_output(parent))
-            if all(self.seqs[sid].req.is_finished for sid in parent.seq_ids):
+            done = all(self.seqs[sid].req.is_finished for sid in parent.seq_ids)
+            if done or not self.final_outputs_only:
+                outputs.append(self._make_output(parent))
+            if done:
                 self._retire(parent)
         self.num_steps += 1
         self.last_step_time = time.monotonic() - t0
