@@ -21,6 +21,9 @@ baseline's (greedy: all of them, up to float rounding off float64); `spec state`
 state one request holds (the rollback scheme's KDA bytes: workers/engine/spec/rollback.py `state_bytes`
 at batch 1, plus the MTP layer's latent cache at the end of the longest request). After the table: how
 many verify steps ran on the fixed-shape path (CUDA graphs on a GPU; workers/engine/spec/static_verify.py).
+`--configs` picks the rows besides the baseline (default mtp,recover,ngram; `mtp-two-wait` adds the MTP multi-slot row
+with the greedy step's acceptance on the host and the drafter after it: the path before workers/engine/llm_engine.py
+`_fused_spec`), `--ngram-ks 3,5,7` one ngram row per k, `--ngram-lookup MIN:MAX` its prompt-lookup suffix lengths.
 `--chunked-verify`: the KDA layers of verify steps take the chunked form (kernels/cpu/kda.py, and for recover_ssm
 kernels/kda_recover.py `kda_recover_verify`) instead of the short-chunk token walks (kernels/cpu/kda_verify.py,
 workers/engine/spec/recover_ssm.py `_verify_walk`), to compare the two on one machine.
@@ -66,13 +69,14 @@ def entropy_prompts(tok, vocab: int, n: int, length: int, seed: int = 0) -> list
 class Row:
     """One engine (one config) and what it measured."""
 
-    def __init__(self, model: str, args, spec: dict | None):
+    def __init__(self, model: str, args, spec: dict | None, fused: bool = True):
         from k3serve.sampling_params import SamplingParams
         from k3serve.workers.llm import LLM
 
         self.spec = spec
         self.llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=1,
                        max_model_len=args.prompt_tokens + args.max_tokens + 8, speculative_config=spec)
+        self.llm.engine.fused_spec_step = fused  # False: the two-wait greedy step (workers/engine/llm_engine.py)
         self.sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         self.rates: dict[str, list[float]] = {}
         self.toks: dict[str, list[list[int]]] = {}
@@ -156,6 +160,18 @@ class Row:
         if observe is not None:
             prop.observe_batch = timed_observe
         prop.propose_batch = timed_propose
+        fused = getattr(prop, "verify_and_draft", None)
+        if fused is None:
+            return
+
+        def timed_fused(items, logits, hidden, fused=fused):  # acceptance + observe + drafts (one host wait)
+            t0 = mark()
+            out = fused(items, logits, hidden)
+            if self._cur is not None:
+                self._cur["draft0"], self._cur["draft1"] = t0, mark()
+            return out
+
+        prop.verify_and_draft = timed_fused
 
     def split_rows(self, set_name: str, cuda: bool) -> list[float]:
         """Medians over the decode-phase steps (after the first token) of: step wall ms, forward ms of verify
@@ -236,6 +252,13 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
     ap.add_argument("--sets", default="code,entropy")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--ngram-ks", default=None,
+                    help="comma-separated k for the ngram rows (default: --k), e.g. 3,5,7")
+    ap.add_argument("--ngram-lookup", default="2:4", help="ngram prompt_lookup_min:prompt_lookup_max")
+    ap.add_argument("--configs", default="mtp,recover,ngram",
+                    help="rows besides the baseline: mtp (multi_slot, one-wait greedy step), mtp-two-wait (the "
+                         "same with the step's acceptance on the host and the drafter after it), recover "
+                         "(mtp, recover_ssm), ngram (multi_slot, one row per --ngram-ks)")
     ap.add_argument("--chunked-verify", action="store_true",
                     help="verify chunks through the chunked KDA forms (the paths before the CPU token walks)")
     args = ap.parse_args(argv)
@@ -265,16 +288,29 @@ def main(argv=None) -> None:
         else:
             raise SystemExit(f"--sets: unknown set {name!r} (code, entropy)")
     k = args.k
-    configs = [("baseline", None),
-               ("mtp multi_slot", {"method": "mtp", "num_speculative_tokens": k, "rollback": "multi_slot"}),
-               ("mtp recover_ssm", {"method": "mtp", "num_speculative_tokens": k, "rollback": "recover_ssm"}),
-               ("ngram multi_slot", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                                     "prompt_lookup_max": 4, "rollback": "multi_slot"})]
+    ngram_ks = [int(x) for x in args.ngram_ks.split(",")] if args.ngram_ks else [k]
+    lo, hi = (int(x) for x in args.ngram_lookup.split(":"))
+    mtp = {"method": "mtp", "num_speculative_tokens": k, "rollback": "multi_slot"}
+    configs = [("baseline", None, True)]
+    for name in args.configs.split(","):
+        if name == "mtp":
+            configs.append(("mtp multi_slot", mtp, True))
+        elif name == "mtp-two-wait":
+            configs.append(("mtp two-wait", mtp, False))
+        elif name == "recover":
+            configs.append(("mtp recover_ssm", dict(mtp, rollback="recover_ssm"), True))
+        elif name == "ngram":
+            configs += [(f"ngram multi_slot k={nk}" if args.ngram_ks else "ngram multi_slot",
+                         {"method": "ngram", "num_speculative_tokens": nk, "prompt_lookup_min": lo,
+                          "prompt_lookup_max": hi, "rollback": "multi_slot"}, True) for nk in ngram_ks]
+        else:
+            raise SystemExit(f"--configs: unknown config {name!r} (mtp, mtp-two-wait, recover, ngram)")
+    kmax = max([k] + ngram_ks)
     print(f"model {model}, device {args.device}, dtype {args.dtype}, k={k}, batch 1, {args.prompts} prompts "
           f"x {args.prompt_tokens} tokens per set, {args.max_tokens} new tokens, greedy")
-    headers = ["set", "config", "tok/s/user", "speedup", "cpu speedup", "accept len"] + [f"acc@{i}" for i in range(k)] + [
-        "same", "spec state KiB"]
-    engines = [(cname, Row(model, args, spec)) for cname, spec in configs]
+    headers = ["set", "config", "tok/s/user", "speedup", "cpu speedup", "accept len"] + [
+        f"acc@{i}" for i in range(kmax)] + ["same", "spec state KiB"]
+    engines = [(cname, Row(model, args, spec, fused)) for cname, spec, fused in configs]
     first = next(iter(sets.values()))[0]
     for _c, r in engines:
         r.warm_up(first)
@@ -297,7 +333,7 @@ def main(argv=None) -> None:
             same = sum(a == b for a, b in zip(r.toks[sname], base.toks[sname]))
             rows.append([sname, cname, round(rate, 1), round(rate / base_rate, 2), round(cpu_rate / base_cpu, 2),
                          round(1 + c[1] / drafts, 2) if c else 1.0]
-                        + ([round(x / drafts, 2) for x in c[2:]] if c else [0.0] * k)
+                        + ([round(x / drafts, 2) for x in c[2:]] + [""] * (kmax - len(c[2:])) if c else [""] * kmax)
                         + [f"{same}/{len(prompts)}", round(r.state_bytes() / 1024, 1)])
     print_table(headers, rows)
     cuda = args.device.startswith("cuda")

@@ -263,6 +263,20 @@ def test_mtp_drafts_equal_the_reference_drafter(tmp_path_factory, seed, form):
         return drafts
 
     prop.propose_batch = record
+    if form == "graph":  # greedy verify steps draft inside verify_and_draft (the one-wait step, llm_engine.py)
+        vd, drafts_for = prop.verify_and_draft, prop.drafts_for
+
+        def record_fused(items, logits, hidden):
+            batched.append(len(items))
+            return vd(items, logits, hidden)
+
+        def record_for(req, d):
+            out = drafts_for(req, d)
+            if out:
+                seen.append((list(req.all_token_ids), out))
+            return out
+
+        prop.verify_and_draft, prop.drafts_for = record_fused, record_for
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], _greedy(8))] == [r[:8] for r in ref[:3]]
     model = load_reference_model(str(d), dtype=torch.float64)
     assert len(seen) >= 9 and max(batched) > 1  # several requests drafted in one batch

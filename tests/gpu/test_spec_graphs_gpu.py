@@ -91,6 +91,7 @@ def test_graph_drafts_equal_eager_drafts(model_dir):
     k = 3
     llm = LLM(str(model_dir), device="cuda", dtype="float32", skip_tokenizer_init=True, max_num_seqs=4,
               speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    llm.engine.fused_spec_step = False  # observe + propose after each step (the one-wait step: test_spec_fused_gpu)
     graph = llm.engine.proposer
     eager = MTPProposer(graph.cfg, llm.engine.runner.model.w, graph.dtype, k)
     pairs = []

@@ -442,7 +442,15 @@ class LLMEngine:
         changed: dict[str, _Parent] = {}
         sampled: dict[str, int | list[int]] = {}
         lps: dict[str, object] = {}
-        if sample_chunks and self.spec is not None:
+        fused = self._fused_spec(sched, sample_chunks, failed, logits) if self.spec is not None else None
+        if fused is not None:  # greedy acceptance and the next drafts came back together (one host wait)
+            seqs = [self.seqs[c.request_id] for c in sample_chunks]
+            req_drafts = [drafts[c.request_id] for c in sample_chunks]
+            for s, (toks, _a, _d) in zip(seqs, fused.values()):
+                sampled[s.req.request_id] = toks
+                lps[s.req.request_id] = None
+            self.spec_stats.count(req_drafts, [a for _t, a, _d in fused.values()])
+        elif sample_chunks and self.spec is not None:
             seqs = [self.seqs[c.request_id] for c in sample_chunks]
             req_drafts = [drafts.get(c.request_id, []) for c in sample_chunks]
             result = self.rejection_sampler(logits, [s.sampling for s in seqs], req_drafts)
@@ -477,7 +485,7 @@ class LLMEngine:
                 self._process_token(s, tok, lps[req.request_id], now)
             changed[req.parent_id] = self.parents[req.parent_id]
         if self.spec is not None:
-            self._propose(sched, failed)
+            self._propose(sched, failed, fused)
         self._publish_events()
         for parent in changed.values():
             done = all(self.seqs[sid].req.is_finished for sid in parent.seq_ids)
@@ -511,10 +519,43 @@ class LLMEngine:
                 del req.all_token_ids[req.num_prompt_tokens + base + i + 1:]
                 break
 
-    def _propose(self, sched, failed) -> None:
-        """After the step: feed the drafter what the target verified, then draft for the requests that
-        decode next (workers/engine/spec/proposers.py)."""
+    fused_spec_step = True  # greedy MTP verify steps: acceptance + drafting on the device, one host wait
+
+    def _fused_spec(self, sched, sample_chunks, failed, logits) -> dict | None:
+        """A step whose every chunk is a verify chunk of a plain-greedy request, with a drafter that can keep
+        acceptance, observe and drafting on the device (workers/engine/spec/mtp_graphs.py `verify_and_draft`):
+        {request id: (tokens, accepted, next drafts)} in chunk order, else None (the step takes the
+        rejection sampler and `_propose`). The same tokens as `_greedy_fast` and the same drafts as the
+        drafter's observe + propose (tests/test_spec_fused.py)."""
+        from k3serve.workers.engine.spec.rejection_sampler import _plain_greedy
+
         prop = self.proposer
+        fn = getattr(prop, "verify_and_draft", None)
+        spec = sched.spec_token_ids
+        if (fn is None or not self.fused_spec_step or failed or logits is None or not sample_chunks
+                or len(sample_chunks) != len(sched.chunks) or not prop.can_fuse(len(sample_chunks))
+                or not all(spec.get(c.request_id) for c in sample_chunks)
+                or not all(_plain_greedy(self.seqs[c.request_id].sampling) for c in sample_chunks)):
+            return None
+        hidden = self.runner.model.hidden
+        if hidden is None or hidden.shape[0] != logits.shape[0]:
+            return None
+        items = [(self.seqs[c.request_id].req, c.start, spec[c.request_id]) for c in sample_chunks]
+        return dict(zip((c.request_id for c in sample_chunks), fn(items, logits, hidden)))
+
+    def _propose(self, sched, failed, fused: dict | None = None) -> None:
+        """After the step: feed the drafter what the target verified, then draft for the requests that
+        decode next (workers/engine/spec/proposers.py). `fused`: the requests `_fused_spec` already observed
+        and drafted for."""
+        prop = self.proposer
+        if fused is not None:
+            for c in sched.chunks:
+                s = self.seqs.get(c.request_id)
+                req = s.req if s is not None else None
+                if (req is not None and not req.is_finished and req.status == RequestStatus.RUNNING
+                        and req.num_tokens - req.num_computed_tokens == 1):
+                    req.spec_token_ids = prop.drafts_for(req, fused[c.request_id][2])
+            return
         hidden = self.runner.model.hidden if prop.needs_hidden else None
         first = 0
         decoding, seen = [], []
@@ -533,6 +574,8 @@ class LLMEngine:
                 decoding.append(req)
         if seen:
             prop.observe_batch(seen)
+        if not decoding:
+            return
         batch = getattr(prop, "propose_batch", None)  # all requests at once (a test drafter may lack it)
         for req, d in zip(decoding, batch(decoding) if batch else [prop.propose(r) for r in decoding]):
             req.spec_token_ids = d

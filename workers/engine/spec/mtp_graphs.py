@@ -70,7 +70,8 @@ class GraphMTPProposer(MTPProposer):
                    valid=torch.zeros(S, L, dtype=torch.bool, device=dev),
                    last_tok=torch.zeros(S, dtype=torch.long, device=dev),
                    last_h=torch.zeros(S, cfg.hidden_size, dtype=dt, device=dev),
-                   h=torch.zeros(self.sizes[-1], self.T, cfg.hidden_size, dtype=dt, device=dev))
+                   h=torch.zeros(self.sizes[-1], self.T, cfg.hidden_size, dtype=dt, device=dev),
+                   am=torch.zeros(self.sizes[-1], self.T, dtype=torch.long, device=dev))
         if old is not None:  # the real rows keep their entries (the padding slot is the last one)
             s0, l0 = old["S"], old["L"]
             for a, b in zip(new["c"] + new["pe"], old["c"] + old["pe"]):
@@ -79,6 +80,7 @@ class GraphMTPProposer(MTPProposer):
             new["last_tok"][:s0] = old["last_tok"][:s0]
             new["last_h"][:s0] = old["last_h"][:s0]
             new["h"].copy_(old["h"])
+            new["am"].copy_(old["am"])
         self._pool = new
         self.graphs.clear()  # they read the old tensors
         self.free = [s for s in range(slots - 1, -1, -1) if s not in self.slot_of.values()]
@@ -138,27 +140,39 @@ class GraphMTPProposer(MTPProposer):
     def _observe_step(self, size: int):
         """Observe over staged inputs (slot, start, nvalid [size], ids [size, T]) and the hidden buffer."""
         d = self._staging[("observe", size)].dev
+        self._observe(size, d["slot"], d["start"], d["nvalid"], d["ids"])
+        return None
+
+    def _observe(self, size: int, slot, start, nv, ids):
+        """The observe of `size` rows (device tensors): the pool's latents at start..start+T-1, valid up to
+        nvalid; layer 0's greedy token and hidden state at nvalid - 1 -> last_tok / last_h (also returned)."""
         P = self._pool
-        slot, start, nv, ids = d["slot"], d["start"], d["nvalid"], d["ids"]
         ar = torch.arange(self.T, device=slot.device)
         positions = start[:, None] + ar[None, :]
         rows = torch.arange(size, device=slot.device)
         last = (nv - 1).clamp(min=0)
         hb = P["h"][:size]
+        tok = h0 = None
         for j in range(self.n):
             logits, h_next = self._pooled(j, hb, ids, positions, slot, start, write=True)
             if j == 0:
-                P["last_tok"][slot] = torch.argmax(logits[rows, last], dim=-1)  # ties -> the lowest id
-                P["last_h"][slot] = h_next[rows, last]
+                tok = torch.argmax(logits[rows, last], dim=-1)  # ties -> the lowest id
+                h0 = h_next[rows, last]
+                P["last_tok"][slot] = tok
+                P["last_h"][slot] = h0
         P["valid"][slot[:, None], positions] = ar[None, :] < nv[:, None]
-        return None
+        return tok, h0
 
     def _draft_step(self, size: int) -> torch.Tensor:
         """The k drafts [size, k] of staged rows (slot, base [size]: the first draft position)."""
         d = self._staging[("draft", size)].dev
         P = self._pool
-        slot, base = d["slot"], d["base"]
-        toks, hs = [P["last_tok"][slot]], [P["last_h"][slot]]
+        slot = d["slot"]
+        return self._draft(slot, d["base"], P["last_tok"][slot], P["last_h"][slot])
+
+    def _draft(self, slot, base, tok0, h0) -> torch.Tensor:
+        """Drafts [R, k] from the first draft (tok0 [R], with its hidden state h0 [R, H]) at position base [R]."""
+        toks, hs = [tok0], [h0]
         for s in range(1, self.k):
             j = s % self.n
             positions = base[:, None] + torch.arange(s, device=slot.device)[None, :]
@@ -167,18 +181,42 @@ class GraphMTPProposer(MTPProposer):
             hs.append(hn[:, -1])
         return torch.stack(toks, 1)
 
+    def _fused_step(self, size: int) -> torch.Tensor:
+        """Greedy acceptance, observe and the next drafts of staged verify rows in one fixed-shape step: slot,
+        start, ndraft [size], drafts [size, k], and the target's argmax per verify row in the pool's `am`
+        [size, T] (its hidden states in `h`). Accepted count a = the longest prefix of drafts equal to the
+        argmaxes (at most ndraft); the observe's pairs are (h_t, am_t), valid for the first a + 1 (the verified
+        tokens and the bonus token: the accepted drafts ARE the argmaxes there); the drafts start at start + a + 1.
+        Returns [size, T + 1 + k]: the argmaxes, a, the k next drafts (one device->host copy)."""
+        d = self._staging[("fused", size)].dev
+        P = self._pool
+        slot, start, nd, dr = d["slot"], d["start"], d["ndraft"], d["drafts"]
+        am = P["am"][:size]
+        k = self.k
+        match = (dr == am[:, :k]) & (torch.arange(k, device=slot.device)[None, :] < nd[:, None])
+        acc = match.long().cumprod(1).sum(1)
+        nv = acc + 1
+        tok0, h0 = self._observe(size, slot, start, nv, am)
+        drafts = self._draft(slot, start + nv, tok0, h0)
+        return torch.cat([am, acc[:, None], drafts], 1)
+
     def _stage(self, kind: str, size: int) -> Staging:
         key = (kind, size)
         st = self._staging.get(key)
         if st is None:
-            i64 = torch.int64
-            f = dict(slot=(i64, (size,)), start=(i64, (size,)), nvalid=(i64, (size,)), ids=(i64, (size, self.T))) \
-                if kind == "observe" else dict(slot=(i64, (size,)), base=(i64, (size,)))
+            i64, T, k = torch.int64, self.T, self.k
+            if kind == "observe":
+                f = dict(slot=(i64, (size,)), start=(i64, (size,)), nvalid=(i64, (size,)), ids=(i64, (size, T)))
+            elif kind == "fused":
+                f = dict(slot=(i64, (size,)), start=(i64, (size,)), ndraft=(i64, (size,)), drafts=(i64, (size, k)),
+                         dst=(i64, (size * T,)))
+            else:
+                f = dict(slot=(i64, (size,)), base=(i64, (size,)))
             st = self._staging[key] = Staging(f, self.device)
         return st
 
     def _run(self, kind: str, size: int):
-        fn = self._observe_step if kind == "observe" else self._draft_step
+        fn = {"observe": self._observe_step, "draft": self._draft_step, "fused": self._fused_step}[kind]
         if self.use_graphs:
             g = self.graphs.get((kind, size)) or self._capture(kind, size, fn)
             if g is not None:
@@ -290,3 +328,53 @@ class GraphMTPProposer(MTPProposer):
             for i, d in zip(part, drafts):
                 out[i] = d.tolist()
         return out
+
+    # -- one host wait a step (greedy): acceptance, observe and drafts after the verify, on the device ----
+    def can_fuse(self, n: int) -> bool:
+        """A step of n verify chunks can take `verify_and_draft` (one fixed-shape batch of them)."""
+        return 1 <= n <= self.sizes[-1]
+
+    @torch.inference_mode()
+    def verify_and_draft(self, items, logits: torch.Tensor, hidden: torch.Tensor):
+        """A step whose every chunk is a greedy verify chunk: items = (req, start, drafts) per chunk in the
+        logits' order (rows back to back, 1 + len(drafts) each; `hidden` the same rows' pre-final-norm states).
+        The argmax of every row and the hidden states go into the fixed-shape buffers (eagerly: two kernels),
+        then ONE fixed-shape step (`_fused_step`; on CUDA one graph replay) accepts, observes and drafts, and
+        ONE device->host copy brings back the tokens, the accepted counts and the next drafts. Returns per
+        item (tokens [a + 1], a, next drafts [k]); the drafts are valid for the request's next step if it keeps
+        all a + 1 tokens (`drafts_for`)."""
+        n = len(items)
+        size = next(s for s in self.sizes if s >= n)
+        T = self.T
+        slots = [self._slot(req.request_id, start + T) for req, start, _d in items]
+        st = self._stage("fused", size)
+        h = st.host()
+        P = self._pool  # (after any growth in _slot)
+        h["slot"][:] = P["S"]
+        h["slot"][:n] = slots
+        h["start"][:] = 0
+        h["ndraft"][:] = 0
+        h["drafts"][:] = -1
+        dst, o = h["dst"], 0
+        for b, (_req, start, drafts) in enumerate(items):
+            c = len(drafts)
+            h["start"][b] = start
+            h["ndraft"][b] = c
+            h["drafts"][b, :c] = drafts
+            dst[o:o + 1 + c] = range(b * T, b * T + 1 + c)
+            o += 1 + c
+        d = st.send()
+        idx = d["dst"][:o]
+        P["am"].view(-1).index_copy_(0, idx, logits[:o].argmax(dim=-1))  # ties -> the lowest id
+        P["h"].view(-1, P["h"].shape[-1]).index_copy_(0, idx, hidden[:o].to(P["h"].dtype))
+        res = self._run("fused", size)[:n].cpu().numpy()  # the step's one device->host copy
+        out = []
+        for b, (req, start, _d) in enumerate(items):
+            a = int(res[b, T])
+            self.last_pos[req.request_id] = start + a
+            out.append((res[b, :a + 1].tolist(), a, res[b, T + 1:].tolist()))
+        return out
+
+    def drafts_for(self, req, drafts: list[int]) -> list[int]:
+        """The drafts `verify_and_draft` made for `req`, if they continue what it kept (else none)."""
+        return drafts if self.last_pos.get(req.request_id, -2) == req.num_tokens - 2 else []
