@@ -18,7 +18,10 @@ per step defaults to 16384 so that the whole batch prefills in one step and ever
 `--profile` adds, per batch size, the GPU kernels of one timed generate (µs per decode step) and the host's
 share of a step (wall time per step minus kernel time per step).
 
-`graphs-s4` is `graphs` with the MoE as session 4 left it (kernels/triton/moe.py: `route_blocks` by PyTorch's
+`graphs-s6` is `graphs` with the host path as session 6 left it: the sampler on every decode step (no argmax in
+the graph: workers/engine/model_runner.py GRAPH_GREEDY off) and one RequestOutput per request per step
+(LLM.final_outputs_only off), so session 7's host changes show side by side in one run. `graphs-s4` is `graphs`
+with the MoE as session 4 left it (kernels/triton/moe.py: `route_blocks` by PyTorch's
 sort/scan/scatter, the decode path's combine by fp32 atomics), so the MoE changes of session 6 show side by side
 in one run. `graphs:NAME=VALUE,...` is `graphs` with module constants of kernels/triton/moe.py set (e.g.
 `graphs:GEMV_COMBINE=atomic`, `graphs:AUTO_GEMV_MAX_PAIRS=32`; an int where VALUE parses as one); `--breakdown`
@@ -26,7 +29,8 @@ skips those modes.
 
 `--breakdown` splits a graph-replayed decode step three ways, per batch size: (1) the host's phases of a real
 step, timed by wrapping the engine's own calls (scheduler.schedule, the runner's input preparation, the graph
-launch, the sampler including its wait for the GPU, scheduler.update_from_output, the whole `step()`); (2) the
+launch, the sampler or the graph's greedy ids, each including its wait for the GPU, scheduler.update_from_output,
+the whole `step()`, and the cyclic GC's collections: their count and µs per step); (2) the
 GPU's own time, by replaying the captured graph alone back to back on the last real step's inputs (kernels +
 the gaps between the graph's kernels, no host work); (3) the kernels' time and count per step and the top
 kernels (profiler, last: it slows the CUDA calls made after it).
@@ -35,6 +39,7 @@ kernels (profiler, last: it slows the CUDA calls made after it).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -132,6 +137,7 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float, top_kernels
     pt.wrap(runner, "execute", "execute")
     pt.wrap(g.graph, "replay", "replay (launch)")
     pt.wrap(eng, "sampler", "sampler (incl. GPU wait)")
+    pt.wrap(runner, "take_greedy_ids", "greedy ids (incl. GPU wait)")
     # every graph size reads its inputs from the start of one staging buffer (model_runner.DecodeStaging): keep
     # a copy of the last size-`size` step's inputs, so the graph replayed alone below reads real ones
     timed_prepare, snap = runner.inputs.prepare_decode, {}
@@ -143,10 +149,20 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float, top_kernels
         return out
 
     runner.inputs.prepare_decode = prepare_and_keep  # removed again by pt.undo() (same attribute)
+    gc_t: list[float] = []
+
+    def gc_timer(phase, info):
+        if phase == "start":
+            gc_t.append(-time.perf_counter())
+        elif gc_t:
+            gc_t[-1] += time.perf_counter()
+
+    gc.callbacks.append(gc_timer)
     try:
         llm.generate(prompts, spn)
         torch.cuda.synchronize()
     finally:
+        gc.callbacks.remove(gc_timer)
         pt.undo()
     if "buf" not in snap:
         print(f"# breakdown B={B}: no decode step of size {size}")
@@ -188,8 +204,10 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float, top_kernels
           f"({(replay_us - kt) / max(kn, 1):.2f} µs per kernel); outside the graph {step_us - replay_us:.0f} µs")
     # one call of each phase per step: the median over the steps leaves out the prefill step
     phases = {k: 1e6 * statistics.median(v) for k, v in pt.t.items()}
-    print(f"#   host phases, median µs per step over {len(pt.t['step'])} steps ({nrep} graph replays): "
-          + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()), flush=True)
+    nsteps = len(pt.t["step"])
+    print(f"#   host phases, median µs per step over {nsteps} steps ({nrep} graph replays): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
+          + f"; cyclic GC {len(gc_t)} collections, {1e6 * sum(gc_t) / nsteps:.0f} µs per step", flush=True)
     for name, (t, c) in top:
         print(f"#   {t / 5:8.1f} µs  x{c / 5:5.1f}  {name[:100]}")
 
@@ -198,14 +216,14 @@ def mode_sets(ap, mode: str, moe) -> dict:
     """The kernels/triton/moe.py constants a --modes entry sets (see the module docstring)."""
     if mode == "graphs-s4":
         return {"ROUTE_KERNEL": False, "GEMV_COMBINE": "atomic"}
-    if mode in ("graphs", "graphs-cublas", "eager"):
+    if mode in ("graphs", "graphs-cublas", "graphs-s6", "eager"):
         return {}
     base, colon, items = mode.partition(":")
     out = {}
     for item in items.split(",") if base == "graphs" and colon else [""]:
         name, eq, value = item.partition("=")
         if not eq or not name.isupper() or not hasattr(moe, name):
-            ap.error(f"--modes: {mode!r} is not graphs, eager, graphs-cublas, graphs-s4 or graphs:NAME=VALUE,... "
+            ap.error(f"--modes: {mode!r} is not graphs, eager, graphs-cublas, graphs-s4, graphs-s6 or graphs:NAME=VALUE,... "
                      "with NAME a constant of kernels/triton/moe.py")
         out[name] = int(value) if value.lstrip("-").isdigit() else value
     return out
@@ -219,7 +237,9 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["graphs", "eager"],
                     help="decode with captured CUDA graphs and/or eagerly (one generated model for all): graphs, "
                          "eager, graphs-cublas (graphs with every projection on cuBLAS: the skinny GEMM off), "
-                         "graphs-s4 (graphs with session 4's MoE routing and combine), graphs:NAME=VALUE,... "
+                         "graphs-s4 (graphs with session 4's MoE routing and combine), graphs-s6 (graphs with "
+                         "session 6's host path: the sampler every step, an output per request per step), "
+                         "graphs:NAME=VALUE,... "
                          "(graphs with constants of kernels/triton/moe.py set)")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the decode steps")
@@ -242,18 +262,21 @@ def main() -> int:
         rows = []
         from k3serve.kernels import triton_ops
         from k3serve.kernels.triton import moe
+        from k3serve.workers.engine import model_runner
 
         sets = {mode: mode_sets(ap, mode, moe) for mode in modes}
         defaults = {name: getattr(moe, name) for name in ("ROUTE_KERNEL", "GEMV_COMBINE", "AUTO_GEMV_MAX_PAIRS",
                                                           *(n for v in sets.values() for n in v))}
         for mode in modes:
             triton_ops.SKINNY_GEMM = mode != "graphs-cublas"
+            model_runner.GRAPH_GREEDY = mode != "graphs-s6"  # read at each graph capture (a new LLM per mode)
             for name, value in {**defaults, **sets[mode]}.items():
                 setattr(moe, name, value)
             print(f"# mode {mode}: moe " + ", ".join(f"{n}={getattr(moe, n)!r}" for n in defaults), flush=True)
             llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                       max_model_len=args.prompt + args.steps + 8, enforce_eager=mode == "eager",
                       max_num_batched_tokens=args.max_num_batched_tokens)
+            llm.final_outputs_only = mode != "graphs-s6"
             weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
             for B in args.batches:
                 prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]

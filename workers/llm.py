@@ -11,6 +11,10 @@ from k3serve.workers.engine.llm_engine import LLMEngine
 
 
 class LLM:
+    # generate/chat keep finished outputs only, so the engine builds no others (LLMEngine.final_outputs_only);
+    # False: one output per request per step as before (benchmarks/decode_roofline.py's "graphs-s6" mode)
+    final_outputs_only = True
+
     def __init__(self, model: str, *, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 64, block_size: int | None = None,
                  kv_cache_memory: int | float | None = None, enable_prefix_caching: bool = False,
@@ -65,7 +69,7 @@ class LLM:
         want = set(order)
         eng = self.engine
         before = eng.__dict__.get("final_outputs_only")
-        eng.final_outputs_only = True  # only finished outputs are kept here: the engine builds no others
+        eng.final_outputs_only = self.final_outputs_only  # only finished outputs are kept here
         try:
             while want - done.keys():
                 for out in eng.step():

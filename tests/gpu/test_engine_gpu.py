@@ -131,3 +131,35 @@ def test_random_config_engine_on_cuda(tmp_path, seed):
     exact, total = teacher_forced_check(ref, prompts, outs)
     assert exact >= EXACT["float32"] * total
     print(f"seed {seed}: graphs {sorted(llm.engine.runner.graphs)} static={llm.engine.runner.static_decode}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_greedy_ids_are_the_samplers(tiny_model_dir, tiny_ref, dtype):
+    """The argmax captured in the decode graph (model_runner.GRAPH_GREEDY) is, on every replayed step, the token
+    the sampler picks from the same step's logits; the engine took those ids on every graph-replayed step."""
+    from k3serve.workers.sampler import Sampler, SamplingState
+
+    prompts = prompts_for(7, 6, tiny_ref.cfg.vocab_size, hi=120)
+    llm = LLM(str(tiny_model_dir), device="cuda", skip_tokenizer_init=True, dtype=dtype, max_num_seqs=8,
+              max_num_batched_tokens=1024)
+    runner = llm.engine.runner
+    sampler, checked = Sampler(0), []
+    real = runner.take_greedy_ids
+
+    def take(n):
+        size = next(c for c in runner.capture_sizes if c >= n)
+        logits = runner.graphs[size].logits[:n]
+        states = [SamplingState.new(SamplingParams(temperature=0.0), [1]) for _ in range(n)]
+        want = sampler(logits, states).token_ids
+        got = real(n)
+        checked.append(got == want)
+        return got
+
+    runner.take_greedy_ids = take
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert checked and all(checked), f"{checked.count(False)} of {len(checked)} steps differ"
+    assert runner.num_greedy_steps == runner.num_static_decode_steps == len(checked) >= 11
+    if dtype == "float32":
+        exact, total = teacher_forced_check(tiny_ref, prompts, outs)
+        assert exact >= EXACT[dtype] * total
