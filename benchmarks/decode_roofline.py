@@ -18,9 +18,11 @@ per step defaults to 16384 so that the whole batch prefills in one step and ever
 `--profile` adds, per batch size, the GPU kernels of one timed generate (µs per decode step) and the host's
 share of a step (wall time per step minus kernel time per step).
 
-`graphs-s6` is `graphs` with the host path as session 6 left it: the sampler on every decode step (no argmax in
-the graph: workers/engine/model_runner.py GRAPH_GREEDY off) and one RequestOutput per request per step
-(LLM.final_outputs_only off), so session 7's host changes show side by side in one run. `graphs-s4` is `graphs`
+`graphs-s6` is `graphs` as session 6 left it: the sampler on every decode step (no argmax in the graph:
+workers/engine/model_runner.py GRAPH_GREEDY off), one RequestOutput per request per step (LLM.final_outputs_only
+off), the MoE's accumulator zeroed by a fill kernel (kernels/triton/moe.py GEMV1_ZEROS_OUT off) and the MLA gate's
+sigmoid between two casts (workers/engine/k3_forward.py GATE_SIGMOID_16BIT off), so session 7's changes show side
+by side in one run. `graphs-s4` is `graphs`
 with the MoE as session 4 left it (kernels/triton/moe.py: `route_blocks` by PyTorch's
 sort/scan/scatter, the decode path's combine by fp32 atomics), so the MoE changes of session 6 show side by side
 in one run. `graphs:NAME=VALUE,...` is `graphs` with module constants of kernels/triton/moe.py set (e.g.
@@ -216,7 +218,9 @@ def mode_sets(ap, mode: str, moe) -> dict:
     """The kernels/triton/moe.py constants a --modes entry sets (see the module docstring)."""
     if mode == "graphs-s4":
         return {"ROUTE_KERNEL": False, "GEMV_COMBINE": "atomic"}
-    if mode in ("graphs", "graphs-cublas", "graphs-s6", "eager"):
+    if mode == "graphs-s6":
+        return {"GEMV1_ZEROS_OUT": False}
+    if mode in ("graphs", "graphs-cublas", "eager"):
         return {}
     base, colon, items = mode.partition(":")
     out = {}
@@ -238,7 +242,7 @@ def main() -> int:
                     help="decode with captured CUDA graphs and/or eagerly (one generated model for all): graphs, "
                          "eager, graphs-cublas (graphs with every projection on cuBLAS: the skinny GEMM off), "
                          "graphs-s4 (graphs with session 4's MoE routing and combine), graphs-s6 (graphs with "
-                         "session 6's host path: the sampler every step, an output per request per step), "
+                         "session 6's host path and glue kernels, see the module docstring), "
                          "graphs:NAME=VALUE,... "
                          "(graphs with constants of kernels/triton/moe.py set)")
     ap.add_argument("--enforce-eager", action="store_true", help="same as --modes eager")
@@ -262,7 +266,7 @@ def main() -> int:
         rows = []
         from k3serve.kernels import triton_ops
         from k3serve.kernels.triton import moe
-        from k3serve.workers.engine import model_runner
+        from k3serve.workers.engine import k3_forward, model_runner
 
         sets = {mode: mode_sets(ap, mode, moe) for mode in modes}
         defaults = {name: getattr(moe, name) for name in ("ROUTE_KERNEL", "GEMV_COMBINE", "AUTO_GEMV_MAX_PAIRS",
@@ -270,6 +274,7 @@ def main() -> int:
         for mode in modes:
             triton_ops.SKINNY_GEMM = mode != "graphs-cublas"
             model_runner.GRAPH_GREEDY = mode != "graphs-s6"  # read at each graph capture (a new LLM per mode)
+            k3_forward.GATE_SIGMOID_16BIT = mode != "graphs-s6"
             for name, value in {**defaults, **sets[mode]}.items():
                 setattr(moe, name, value)
             print(f"# mode {mode}: moe " + ", ".join(f"{n}={getattr(moe, n)!r}" for n in defaults), flush=True)

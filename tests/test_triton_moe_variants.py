@@ -123,6 +123,27 @@ def test_no_valid_pairs(name):
     assert out.shape == (3, 48) and torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("T,k,I,DOUT,bn1", [(1, 4, 96, 72, 16), (3, 2, 32, 200, 16), (5, 3, 64, 48, 64)])
+def test_gemv_atomic_accumulator_zeroed_in_kernel(monkeypatch, T, k, I, DOUT, bn1):
+    """moe.GEMV1_ZEROS_OUT: the gate/up kernel zeroes the atomic combine's accumulator, which is handed over
+    full of NaNs here (DOUT wider and narrower than the gate/up tiles x ZB, a token with an invalid pair);
+    without the in-kernel zeroing the NaNs reach the output."""
+    z, tw, ids, kw = _case(T, 7, k, 64, I, DOUT, (True, True), seed=T + DOUT)
+    made = []
+
+    def poisoned(T_, D_, dev):
+        made.append((T_, D_))
+        return torch.full((T_, D_), float("nan"), dtype=torch.float32, device=dev)
+
+    monkeypatch.setattr(moe, "_accumulator", poisoned)
+    knobs = dict(variant="gemv", combine="atomic", bn1=bn1)
+    _check(z, tw, ids, kw, torch.float32, "situ", 25.0, knobs)
+    assert made == [(T, DOUT)]
+    monkeypatch.setattr(moe, "GEMV1_ZEROS_OUT", False)  # the fill kernel instead: no accumulator from here
+    _check(z, tw, ids, kw, torch.float32, "situ", 25.0, knobs)
+    assert made == [(T, DOUT)]
+
+
 def test_auto_and_default(monkeypatch):
     """variant="auto" takes "gemv" up to AUTO_GEMV_MAX_PAIRS pairs, then "dot"; no variant = DEFAULT_VARIANT."""
     z, tw, ids, kw = _case(4, 6, 2, 96, 64, 48, (True, True), seed=2)

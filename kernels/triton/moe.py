@@ -327,15 +327,21 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, e, rn, mn, KIN, w_e, w_n, s_e, s_n, BN: tl.c
 
 
 @triton.jit
-def _moe_gemv1_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, DIN, I, TOPK, z_stride, w_e, w_n, s_e, s_n,
+def _moe_gemv1_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, out_ptr, DIN, I, DOUT, TOPK, z_stride, w_e, w_n, s_e, s_n,
                       situ_beta, lin_beta, h_mult, BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr,
-                      SITU: tl.constexpr, HAS_LIN: tl.constexpr):
+                      SITU: tl.constexpr, HAS_LIN: tl.constexpr, ZB: tl.constexpr):
     """Decode path, gate/up: one routed pair (token, k) x one tile of BN rows of I per program (no sorting).
 
     h[pair, rn] = act(gate)·up (times h_mult: 2^64 when the down GEMM decodes MXFP4, see X_SCALE).
+    ZB > 0: the programs of each token's first pair also zero its row of the down GEMM's fp32 accumulator
+    `out` [T, DOUT], ZB elements per tile (tiles x ZB >= DOUT), so the atomic combine needs no fill kernel.
     """
     pr = tl.program_id(0)
     nt = tl.program_id(1)
+    if ZB > 0:
+        if pr % TOPK == 0:
+            rz = nt * ZB + tl.arange(0, ZB)
+            tl.store(out_ptr + (pr // TOPK).to(tl.int64) * DOUT + rz, tl.zeros([ZB], tl.float32), mask=rz < DOUT)
     e = tl.load(ids_ptr + pr)
     if e >= 0:
         tok = (pr // TOPK).to(tl.int64)
@@ -552,20 +558,29 @@ def _gemv_path(zc, tw, topk_ids, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, 
     h = torch.empty(P, I, dtype=zc.dtype, device=dev)
     bn1, bk1, bn2, bk2 = tiles
     situ_beta, lin_beta, situ, has_lin = act_args
-    _moe_gemv1_kernel[(P, triton.cdiv(I, bn1))](
-        zc, ids, W1, S1, h, DIN, I, TOPK, zc.stride(0), W1.stride(0), W1.stride(1),
+    loop = COMBINES.index(combine)  # 0 atomic, 1 loop, 2 unroll (the kernel's LOOP)
+    n1 = triton.cdiv(I, bn1)
+    zb = 0 if loop or not GEMV1_ZEROS_OUT else next_pow2(triton.cdiv(DOUT, n1))
+    if loop:
+        out = torch.empty(T, DOUT, dtype=zc.dtype, device=dev)
+    else:  # fp32 atomic accumulator: zeroed by the gate/up kernel (zb > 0) or here
+        out = _accumulator(T, DOUT, dev) if zb else torch.zeros(T, DOUT, dtype=torch.float32, device=dev)
+    _moe_gemv1_kernel[(P, n1)](
+        zc, ids, W1, S1, h, out, DIN, I, DOUT, TOPK, zc.stride(0), W1.stride(0), W1.stride(1),
         S1.stride(0) if fp4_1 else 0, S1.stride(1) if fp4_1 else 0, situ_beta, lin_beta,
-        float(2.0**64) if fp4_2 else 1.0, BN=bn1, BK=bk1, FP4=fp4_1, SITU=situ, HAS_LIN=has_lin,
+        float(2.0**64) if fp4_2 else 1.0, BN=bn1, BK=bk1, FP4=fp4_1, SITU=situ, HAS_LIN=has_lin, ZB=zb,
         **_launch_opts(warps[0], num_stages),
     )
-    loop = COMBINES.index(combine)  # 0 atomic, 1 loop, 2 unroll (the kernel's LOOP)
-    out = torch.empty(T, DOUT, dtype=zc.dtype, device=dev) if loop else torch.zeros(T, DOUT, dtype=torch.float32,
-                                                                                   device=dev)
     _moe_gemv2_kernel[(T if loop else P, triton.cdiv(DOUT, bn2))](
         h, ids, W2, S2, tw, out, I, DOUT, TOPK, W2.stride(0), W2.stride(1), S2.stride(0) if fp4_2 else 0,
         S2.stride(1) if fp4_2 else 0, BN=bn2, BK=bk2, FP4=fp4_2, LOOP=loop, **_launch_opts(warps[1], num_stages),
     )
     return out if loop else out.to(zc.dtype)
+
+
+def _accumulator(T: int, DOUT: int, dev) -> torch.Tensor:
+    """The "gemv" atomic combine's fp32 [T, DOUT] buffer when the gate/up kernel zeroes it (not zeroed here)."""
+    return torch.empty(T, DOUT, dtype=torch.float32, device=dev)
 
 
 def _num_sms(dev) -> int:
@@ -613,6 +628,9 @@ GEMV_COMBINE = "atomic"
 (benchmarks/sweep_moe.py, docs/kernels-notes.md session 6): T=1 atomic 22.2 µs vs loop 40.2 / unroll 38.6
 (one program per token walks its pairs' weights one after another: too few loads in flight); T=8 60.2 vs
 82.2 / 81.2."""
+GEMV1_ZEROS_OUT = True
+"""The "gemv" atomic combine: the gate/up kernel zeroes the fp32 accumulator (no fill kernel: -1 launch per MoE
+layer at decode batch sizes); False: a torch.zeros before it, as in session 6 (decode_roofline's graphs-s6)."""
 GEMV_WIDE_K = 1024
 GEMV_WIDE_K_MAX_PAIRS = 16
 """Up to this many routed pairs, with MXFP4 weights whose K (DIN and I) both fit in GEMV_WIDE_K, each "gemv"

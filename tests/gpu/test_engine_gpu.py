@@ -163,3 +163,18 @@ def test_graph_greedy_ids_are_the_samplers(tiny_model_dir, tiny_ref, dtype):
     if dtype == "float32":
         exact, total = teacher_forced_check(tiny_ref, prompts, outs)
         assert exact >= EXACT[dtype] * total
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gate_sigmoid_16bit_on_cuda(dtype):
+    """k3_forward.GATE_SIGMOID_16BIT on CUDA: torch.sigmoid on 16-bit values == sigmoid(fp32).to(16-bit), every
+    value (the MLA output gate takes the one-kernel form on that)."""
+    from types import SimpleNamespace
+
+    from k3serve.workers.engine.k3_forward import K3ForwardModel
+
+    g = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).cuda()
+    got = K3ForwardModel._gate_sigmoid(SimpleNamespace(acc=torch.float32), g, dtype)
+    want = torch.sigmoid(g.float()).to(dtype)
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} values differ"

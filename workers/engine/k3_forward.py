@@ -16,6 +16,12 @@ from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
 from k3serve.workers.engine.forward_batch import ForwardBatch
 from k3serve.workers.model.functional import LayerWeights, acc_dtype, rope_interleaved
 
+# The MLA output gate sigmoid(g) of a 16-bit activation dtype as ONE kernel, torch.sigmoid on the 16-bit g: PyTorch
+# computes 16-bit pointwise ops in fp32 and rounds once, so it equals sigmoid(g.float()).to(g.dtype), the reference
+# form, bit for bit (every bf16/fp16 value: tests/test_mla_gate_sigmoid.py, tests/gpu/test_engine_gpu.py), without
+# its two casts (-2 kernels per MLA layer). False: the two casts (decode_roofline's graphs-s6 mode).
+GATE_SIGMOID_16BIT = True
+
 # the projections: `functional.linear` on the CPU; on CUDA decode-sized ones (<= 16 rows) take the skinny GEMM
 # (kernels/triton/gemv.py); the optional third argument is the compute dtype, the operands' cast folded in
 linear = ops.linear
@@ -205,8 +211,15 @@ class K3ForwardModel:
                                         b.cu_seqlens, (dn + dr) ** -0.5, kv_lora_rank=r)
         o = torch.einsum("thl,hvl->thv", o_lat.to(x.dtype), self.w_uv[i])
         if cfg.mla_use_output_gate:
-            o = o * torch.sigmoid(g_in[0].reshape(T, h, dv).to(self.acc)).to(x.dtype)
+            o = o * self._gate_sigmoid(g_in[0].reshape(T, h, dv), x.dtype)
         return linear(o.reshape(T, h * dv), w["o_proj.weight"])
+
+    def _gate_sigmoid(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """sigmoid(g) computed in the accumulation dtype, in `dtype` (see GATE_SIGMOID_16BIT)."""
+        if (GATE_SIGMOID_16BIT and g.dtype == dtype and dtype in (torch.bfloat16, torch.float16)
+                and self.acc == torch.float32):
+            return torch.sigmoid(g)
+        return torch.sigmoid(g.to(self.acc)).to(dtype)
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.hidden_act == "situ":
