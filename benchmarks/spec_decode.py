@@ -259,6 +259,12 @@ def main(argv=None) -> None:
                     help="rows besides the baseline: mtp (multi_slot, one-wait greedy step), mtp-two-wait (the "
                          "same with the step's acceptance on the host and the drafter after it), recover "
                          "(mtp, recover_ssm), ngram (multi_slot, one row per --ngram-ks)")
+    ap.add_argument("--cprofile", default=None, metavar="CONFIG",
+                    help="profile the measured requests of the row named CONFIG (e.g. 'mtp multi_slot') with "
+                         "cProfile and print its 30 costliest functions (own time) after the tables")
+    ap.add_argument("--kernel-profile", default=None, metavar="CONFIG",
+                    help="on CUDA: torch.profiler over the measured requests of the row named CONFIG; prints the "
+                         "30 kernels with the most device time (graph replays' kernels included) after the tables")
     ap.add_argument("--chunked-verify", action="store_true",
                     help="verify chunks through the chunked KDA forms (the paths before the CPU token walks)")
     args = ap.parse_args(argv)
@@ -315,10 +321,35 @@ def main(argv=None) -> None:
     for _c, r in engines:
         r.warm_up(first)
     t0 = time.perf_counter()
+    prof = None
+    if args.cprofile is not None:
+        import cProfile
+
+        if args.cprofile not in {c for c, _r in engines}:
+            raise SystemExit(f"--cprofile: no row {args.cprofile!r}")
+        prof = cProfile.Profile()
+    kprof = None
+    if args.kernel_profile is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if args.kernel_profile not in {c for c, _r in engines}:
+            raise SystemExit(f"--kernel-profile: no row {args.kernel_profile!r}")
+        kprof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        kprof_steps = 0
     for sname, prompts in sets.items():  # prompt by prompt, every config in turn (machine load drifts)
         for p in prompts:
-            for _c, r in engines:
+            for c, r in engines:
+                if c == args.cprofile:
+                    prof.enable()
+                if c == args.kernel_profile:
+                    n0 = len(r.steps)
+                    kprof.start()
                 r.run(sname, p, args.device)
+                if c == args.cprofile:
+                    prof.disable()
+                if c == args.kernel_profile:
+                    kprof.stop()
+                    kprof_steps += len(r.steps) - n0
         print(f"  {sname}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     rows = []
     for sname, prompts in sets.items():
@@ -361,6 +392,22 @@ def main(argv=None) -> None:
             if hasattr(r.llm.engine.proposer, "num_replays"):
                 line += f"; drafter calls: {d['replays']} graph replays, {d['eager']} eager"
         print(line)
+
+    if kprof is not None:
+        print(f"\nKernels of {args.kernel_profile!r} ({kprof_steps} engine steps; device time):")
+        table = None
+        for key in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                table = kprof.key_averages().table(sort_by=key, row_limit=30)
+                break
+            except (KeyError, AttributeError, ValueError):
+                continue
+        print(table)
+    if prof is not None:
+        import pstats
+
+        print(f"\ncProfile of {args.cprofile!r} (its measured requests; own time):")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

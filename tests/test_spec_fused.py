@@ -217,3 +217,60 @@ def test_benchmark_rows_for_the_two_wait_step_and_the_ngram_k_sweep(capsys):
         assert line.split()[1 : 1 + len(name.split())] == name.split()
         assert "1/1" in line.split()  # greedy: the same tokens as the baseline
     assert "acc@2" in out
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_draft_free_decode_steps_take_the_steps_argmax(tmp_path_factory, method):
+    """A speculating engine's steps without drafts (plain decodes: no n-gram match, no room for drafts) take the
+    fixed-shape decode step's own argmax (ModelRunner.take_greedy_ids) when every row is plain greedy, as an engine
+    without speculation does; tokens == reference; a sampled request in the batch keeps the rejection sampler."""
+    d, cfg, prompts, ref = _setup(tmp_path_factory, MTP_SEEDS[0])
+    llm = _llm(
+        d, {"method": method, "num_speculative_tokens": 3}, static_decode=True, max_num_batched_tokens=64
+    )
+    runner = llm.engine.runner
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(MAX_NEW))] == ref
+    for p, r in zip(prompts, ref):  # alone (batch 1): steps with no drafts at all are decode-only steps
+        assert llm.generate([p], _greedy(MAX_NEW))[0].outputs[0].token_ids == r
+    n = runner.num_greedy_steps
+    assert n > 0
+    st = llm.engine.stats()
+    assert st["spec_decode_num_drafts"] > 0
+    sampled = [SamplingParams(temperature=0.8, max_tokens=MAX_NEW, seed=3, ignore_eos=True)] * len(prompts)
+    twice = [[o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] for _ in range(2)]
+    assert twice[0] == twice[1] and runner.num_greedy_steps == n
+
+
+def test_incremental_ngram_index_is_the_reference_rule():
+    """NgramDrafter.propose (the per-request n-gram index, extended as tokens are added) == the reference rule
+    (workers/model/ngram_proposer.py) at every length of random repetitive sequences grown by 1..4 tokens a step,
+    with cuts (a stop string removing tokens) and several requests interleaved."""
+    import random
+
+    from k3serve.workers.engine.spec.proposers import NgramDrafter
+    from k3serve.workers.model.ngram_proposer import NgramProposer
+
+    rng = random.Random(0)
+    hits = 0
+    for case in range(60):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        k = rng.randint(1, 7)
+        V = rng.choice([2, 3, 5, 20])
+        d, ref = NgramDrafter(k, lo, hi), NgramProposer(k, lo, hi)
+        reqs = [_Req(f"r{i}", [rng.randrange(V) for _ in range(rng.randint(1, 6))]) for i in range(3)]
+        for _step in range(40):
+            r = rng.choice(reqs)
+            if rng.random() < 0.05 and r.num_tokens > 2:
+                del r.all_token_ids[rng.randint(1, r.num_tokens - 1) :]
+            else:
+                r.all_token_ids += [rng.randrange(V) for _ in range(rng.randint(1, 4))]
+            got = d.propose_batch([r])[0]
+            assert got == ref.propose(r.all_token_ids) == d.propose_ids(r.all_token_ids), (
+                case,
+                r.all_token_ids,
+            )
+            hits += bool(got)
+        d.drop("r0")
+        assert "r0" not in d._index
+    assert hits > 600  # most steps found a match (small vocabularies), so the index's answers were checked

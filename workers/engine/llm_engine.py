@@ -453,11 +453,20 @@ class LLMEngine:
         elif sample_chunks and self.spec is not None:
             seqs = [self.seqs[c.request_id] for c in sample_chunks]
             req_drafts = [drafts.get(c.request_id, []) for c in sample_chunks]
-            result = self.rejection_sampler(logits, [s.sampling for s in seqs], req_drafts)
-            for row, (s, toks) in enumerate(zip(seqs, result.token_ids)):
-                sampled[s.req.request_id] = [int(t) for t in toks]
-                lps[s.req.request_id] = result.logprobs[row] if result.logprobs else None
-            self.spec_stats.count(req_drafts, result.num_accepted)
+            # a step without drafts (every row a plain decode) and every row plain greedy: the decode step's
+            # own argmax (as without speculation), not the rejection sampler's argmax + copy
+            toks = None if failed or any(req_drafts) else self._greedy_ids([s.sampling for s in seqs])
+            if toks is not None:
+                for s, tok in zip(seqs, toks):
+                    sampled[s.req.request_id] = [tok]
+                    lps[s.req.request_id] = None
+                self.spec_stats.count(req_drafts, [0] * len(seqs))
+            else:
+                result = self.rejection_sampler(logits, [s.sampling for s in seqs], req_drafts)
+                for row, (s, run) in enumerate(zip(seqs, result.token_ids)):
+                    sampled[s.req.request_id] = [int(t) for t in run]
+                    lps[s.req.request_id] = result.logprobs[row] if result.logprobs else None
+                self.spec_stats.count(req_drafts, result.num_accepted)
         elif sample_chunks:
             seqs = [self.seqs[c.request_id] for c in sample_chunks]
             states = [s.sampling for s in seqs]

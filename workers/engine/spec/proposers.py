@@ -45,15 +45,39 @@ class NgramDrafter:
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.lookup = NgramProposer(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
+        # per request: (tokens indexed, {n: {n-gram: its latest start}}), grown as the request's tokens grow
+        self._index: dict[str, tuple[int, dict[int, dict[tuple, int]]]] = {}
 
     def observe(self, req, start: int, hidden, verified: int) -> None:
         pass
 
     def propose(self, req) -> list[int]:
-        return self.propose_ids(req.all_token_ids)
+        return self._propose_req(req)
 
     def propose_batch(self, reqs) -> list[list[int]]:
-        return [self.propose_ids(r.all_token_ids) for r in reqs]
+        return [self._propose_req(r) for r in reqs]
+
+    def _propose_req(self, req) -> list[int]:
+        """`propose_ids(req.all_token_ids)` from an index of the request's n-grams (n = lookup min..max: the
+        latest start of each n-gram that ends before the last token) that each call extends by the tokens added
+        since the last one: a few dict lookups a step instead of a scan of every position (rebuilt if the
+        tokens got fewer, e.g. a stop string cut them)."""
+        a = req.all_token_ids
+        T = len(a)
+        lk = self.lookup
+        lo, hi = lk.prompt_lookup_min, lk.prompt_lookup_max
+        done, maps = self._index.get(req.request_id, (0, None))
+        if maps is None or T < done:
+            done, maps = 0, {n: {} for n in range(lo, hi + 1)}
+        for n, m in maps.items():  # windows a[i:i+n] with i + n <= T - 1, the ones before `done` already in
+            for i in range(max(done - n, 0), T - n):
+                m[tuple(a[i:i + n])] = i
+        self._index[req.request_id] = (T, maps)
+        for n in range(min(hi, T - 1), lo - 1, -1):
+            i = maps[n].get(tuple(a[T - n:]))
+            if i is not None:
+                return list(a[i + n:i + n + lk.num_speculative_tokens])
+        return []
 
     def propose_ids(self, token_ids) -> list[int]:
         lk = self.lookup
@@ -68,7 +92,7 @@ class NgramDrafter:
         return []
 
     def drop(self, request_id: str) -> None:
-        pass
+        self._index.pop(request_id, None)
 
 
 @dataclass

@@ -41,6 +41,7 @@ class StaticVerify:
         limit = min(max_num_seqs, buf.max_tokens // self.T, buf.max_seqs, max_batch)
         self.sizes = capture_sizes(limit) if limit >= 1 else []
         self._staging: dict[int, Staging] = {}  # per size: its inputs, one host->device copy a step
+        self._const: dict[int, dict] = {}  # per size: index patterns (`_consts`)
         self.enabled = bool(self.sizes)
         self.graphs: dict[int, tuple] = {}
         self.num_steps = 0  # verify steps served by this fixed-shape path
@@ -80,6 +81,18 @@ class StaticVerify:
         if hidden is not None:
             model.hidden = hidden[idx]
         return logits[idx]
+
+    def _consts(self, size: int) -> dict:
+        """`prepare`'s index patterns that depend on the size only (made once per size)."""
+        c = self._const.get(size)
+        if c is None:
+            T, k = self.T, self.k
+            c = self._const[size] = dict(
+                tok=np.arange(size * T, dtype=np.int64), offs=np.tile(np.arange(T, dtype=np.int64), size),
+                cu=np.arange(size + 1, dtype=np.int64) * T, seq_of_tok=np.repeat(np.arange(size), T),
+                ck_seq=np.repeat(np.arange(size, dtype=np.int64), k),
+                ck_off=np.tile(np.arange(1, T, dtype=np.int64), size))
+        return c
 
     def _staged(self, size: int) -> dict:
         """The device views of `size`'s staging buffer (workers/engine/spec/staging.py; one per size, so each
@@ -124,27 +137,28 @@ class StaticVerify:
             ids[i * T:i * T + m] = c.token_ids
             ids[i * T + m:(i + 1) * T] = c.token_ids[-1]
             real_tok[i * T:i * T + m] = True
-        real = np.flatnonzero(real_tok)
+        cst = self._consts(size)
+        full = all(len(c.token_ids) == T for c in chunks)
+        real = cst["tok"][:n * T] if full else np.flatnonzero(real_tok)  # (every chunk 1 + k tokens: the first n*T)
         h["gather"][:len(real)] = real
-        offs = np.tile(np.arange(T, dtype=np.int64), size)
         pos = h["positions"]
-        pos[:] = np.repeat(starts, T) + offs
-        h["cu_seqlens"][:] = np.arange(size + 1, dtype=np.int64) * T
+        np.add(np.repeat(starts, T), cst["offs"], out=pos)
+        h["cu_seqlens"][:] = cst["cu"]
         seq = h["seq_lens"]
         seq[:] = T
         seq[:n] = starts[:n] + T
         init = h["has_init"]
         init[:] = False
         init[:n] = starts[:n] > 0
-        seq_of_tok = np.repeat(np.arange(size), T)
+        seq_of_tok = cst["seq_of_tok"]
         for gi in range(len(r.layout.mla_groups)):
             bt = h[f"bt{gi}"]
             bt[:] = 0
             bt[:n] = tb.mla[gi][rows]
             slots = h[f"slots{gi}"]
             slots[:] = -1
-            m = real_tok
-            slots[m] = bt[seq_of_tok[m], pos[m] // B].astype(np.int64) * B + pos[m] % B
+            p = pos[real]
+            slots[real] = bt[seq_of_tok[real], p // B].astype(np.int64) * B + p % B
         for gi in range(len(r.layout.kda_groups)):
             si = h[f"si{gi}"]
             si[:] = -1
@@ -152,8 +166,8 @@ class StaticVerify:
         # every row exports offsets 1..k into its blocks; a padding row's k exports repeat row 0's first one
         # (the same state into the same block: the count stays fixed, no op sees an export of a skipped row)
         seqs, offsets = h["ck_seq"], h["ck_off"]
-        seqs[:] = np.repeat(np.arange(size, dtype=np.int64), k)
-        offsets[:] = np.tile(np.arange(1, T, dtype=np.int64), size)
+        seqs[:] = cst["ck_seq"]
+        offsets[:] = cst["ck_off"]
         seqs[n * k:], offsets[n * k:] = 0, 1
         verify_rows = []
         for i, c in enumerate(chunks):
@@ -168,7 +182,7 @@ class StaticVerify:
                 s[i * k:(i + 1) * k] = v.spec_slots[gi][:k]
             s[n * k:] = s[0]
         r._verify_rows = {v.request_id: v for v in verify_rows}
-        h["logits_idx"][:] = np.arange(size * T, dtype=np.int64)
+        h["logits_idx"][:] = cst["tok"]
         st.send()
         mla, kda = range(len(r.layout.mla_groups)), range(len(r.layout.kda_groups))
         batch = ForwardBatch(dev["input_ids"], dev["positions"], dev["cu_seqlens"], dev["seq_lens"],
