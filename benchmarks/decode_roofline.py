@@ -20,7 +20,7 @@ share of a step (wall time per step minus kernel time per step).
 
 `graphs-s6` is `graphs` as session 6 left it: the sampler on every decode step (no argmax in the graph:
 workers/engine/model_runner.py GRAPH_GREEDY off), one RequestOutput per request per step (LLM.final_outputs_only
-off), the MoE's accumulator zeroed by a fill kernel (kernels/triton/moe.py GEMV1_ZEROS_OUT off) and the MLA gate's
+off), token-by-token detokenization (LLMEngine.defer_detokenization off), the MoE's accumulator zeroed by a fill kernel (kernels/triton/moe.py GEMV1_ZEROS_OUT off) and the MLA gate's
 sigmoid between two casts (workers/engine/k3_forward.py GATE_SIGMOID_16BIT off), so session 7's changes show side
 by side in one run. `graphs-s4` is `graphs`
 with the MoE as session 4 left it (kernels/triton/moe.py: `route_blocks` by PyTorch's
@@ -281,7 +281,7 @@ def main() -> int:
             llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                       max_model_len=args.prompt + args.steps + 8, enforce_eager=mode == "eager",
                       max_num_batched_tokens=args.max_num_batched_tokens)
-            llm.final_outputs_only = mode != "graphs-s6"
+            llm.final_outputs_only = llm.engine.defer_detokenization = mode != "graphs-s6"
             weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
             for B in args.batches:
                 prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]

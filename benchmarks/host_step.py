@@ -6,9 +6,10 @@ The engine (`LLMEngine`, tiny preset, float32, CPU, tokenizer on, `static_decode
 fixed-shape path the CUDA graphs replay) runs `--batches` greedy requests of `--steps` new tokens; the model's
 forward returns a fixed logits tensor, so what is timed is the step's Python and torch work on the host:
 scheduling, input preparation, sampling or taking the step's argmax ids, the scheduler's update, detokenization and
-the outputs. Rows: "s6" = the sampler every step (workers/engine/model_runner.py GRAPH_GREEDY off) and one
-RequestOutput per request per step (LLMEngine.final_outputs_only off); "greedy ids" = only GRAPH_GREEDY on;
-"s7" = both on (the defaults). The three are timed in turn, `--repeats` rounds, and the best of each counts (a
+the outputs. Columns: "s6" = the sampler every step (workers/engine/model_runner.py GRAPH_GREEDY off), one
+RequestOutput per request per step (LLMEngine.final_outputs_only off) and token-by-token detokenization
+(LLMEngine.defer_detokenization off); "greedy ids" = GRAPH_GREEDY on; "+final only" = and final_outputs_only on;
+"s7" = all three on (the defaults). They are timed in turn, `--repeats` rounds, and the best of each counts (a
 noisy neighbour on a shared CPU hurts none more than the others). On the GPU host the same Python runs between
 graph replays (benchmarks/decode_roofline.py --breakdown, "outside the graph").
 """
@@ -27,12 +28,15 @@ from k3serve.workers.engine import model_runner
 from k3serve.workers.llm import LLM
 from k3serve.workers.model.make_model import make_model
 
-MODES = {"s6": (False, False), "greedy ids": (True, False), "s7": (True, True)}  # (GRAPH_GREEDY, final only)
+# (GRAPH_GREEDY, LLMEngine.final_outputs_only, LLMEngine.defer_detokenization)
+MODES = {"s6": (False, False, False), "greedy ids": (True, False, False), "+final only": (True, True, False),
+         "s7": (True, True, True)}
 
 
-def per_step_us(eng, prompts, steps: int, greedy: bool, final_only: bool) -> float:
+def per_step_us(eng, prompts, steps: int, greedy: bool, final_only: bool, defer: bool) -> float:
     model_runner.GRAPH_GREEDY = greedy
     eng.final_outputs_only = final_only
+    eng.defer_detokenization = defer
     sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for p in prompts:
         eng.add_request(eng.next_request_id(), p, sp.clone())
@@ -66,11 +70,11 @@ def main() -> int:
     try:
         for B in args.batches:
             prompts = [[(7 * i + j) % 200 + 10 for j in range(32)] for i in range(B)]
-            per_step_us(eng, prompts, 4, True, True)  # warm-up
+            per_step_us(eng, prompts, 4, True, True, True)  # warm-up
             best = {m: float("inf") for m in MODES}
             for _ in range(args.repeats):
-                for m, (g, f) in MODES.items():
-                    best[m] = min(best[m], per_step_us(eng, prompts, args.steps, g, f))
+                for m, knobs in MODES.items():
+                    best[m] = min(best[m], per_step_us(eng, prompts, args.steps, *knobs))
             print(f"| {B} | " + " | ".join(f"{best[m]:.0f}" for m in MODES) + f" | {best['s6'] / best['s7']:.2f}x |",
                   flush=True)
     finally:

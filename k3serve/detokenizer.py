@@ -110,3 +110,47 @@ class IncrementalDetokenizer:
                     keep = k
                     break
         return keep
+
+
+class DeferredDetokenizer:
+    """An :class:`IncrementalDetokenizer` without stop strings whose text is decoded only when it is read.
+
+    ``push`` collects the ids and returns ``""``; ``text``, ``flush`` and ``num_tokens`` first hand the collected
+    ids to the incremental detokenizer in one push. Without stop strings nothing is held back, so ``text`` read at
+    any point is what the token-by-token detokenizer would hold then (incomplete UTF-8 bytes still wait for the rest
+    or the flush). For an engine whose outputs are built rarely (an offline ``LLM.generate`` builds each request's
+    output once, at its end: LLMEngine.final_outputs_only) the per-token decode work of every step goes away; the
+    pushed deltas are not returned (the engine reads ``text``)."""
+
+    stopped_by = None  # no stop strings
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self._inner = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._ids: list[int] = []
+
+    def _drain(self) -> None:
+        if self._ids:
+            ids, self._ids = self._ids, []
+            self._inner.push(ids)
+
+    @property
+    def finished(self) -> bool:
+        return self._inner.finished
+
+    @property
+    def text(self) -> str:
+        self._drain()
+        return self._inner.text
+
+    @property
+    def num_tokens(self) -> int:
+        return self._inner.num_tokens + len(self._ids)
+
+    def push(self, token_ids: Iterable[int]) -> str:
+        if not self._inner.finished:
+            self._ids.extend(token_ids)
+        return ""
+
+    def flush(self) -> str:
+        self._drain()
+        return self._inner.flush()

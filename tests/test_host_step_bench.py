@@ -18,4 +18,4 @@ def test_host_step_table():
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "µs" not in line]
     assert [int(r[0]) for r in rows] == [1, 3]
     for r in rows:
-        assert all(float(c) > 0 for c in r[1:4]) and r[4].strip().endswith("x")
+        assert all(float(c) > 0 for c in r[1:5]) and r[5].strip().endswith("x")

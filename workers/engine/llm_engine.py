@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3serve.common.block_hash import model_fingerprint
-from k3serve.detokenizer import IncrementalDetokenizer
+from k3serve.detokenizer import DeferredDetokenizer, IncrementalDetokenizer
 from k3serve.kv_events.types import KVEvent
 from k3serve.outputs import CompletionOutput, Logprob, RequestOutput
 from k3serve.sampling_params import SamplingParams
@@ -66,7 +66,7 @@ class SpecDecodeStats:
 class _Seq:
     req: Request
     sampling: SamplingState
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | DeferredDetokenizer
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
 
@@ -358,6 +358,8 @@ class LLMEngine:
             if p.stop:
                 raise ValueError("stop: stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
             return _NullDetokenizer()
+        if not p.stop and self.defer_detokenization:  # no stop string to watch for: decoded when an output is built
+            return DeferredDetokenizer(self.tokenizer, p.skip_special_tokens)
         return IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
@@ -398,6 +400,9 @@ class LLMEngine:
     # True: step() returns the outputs of requests that finished in it only (vLLM's FINAL_ONLY output kind; the
     # offline LLM.generate loop sets it while it runs: it keeps only those), not one per request per step
     final_outputs_only = False
+    # requests without stop strings get a DeferredDetokenizer (k3serve/detokenizer.py: the text decoded when an
+    # output is built, not token by token); False: the incremental one for every request, as in session 6
+    defer_detokenization = True
 
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
