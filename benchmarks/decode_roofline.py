@@ -214,6 +214,24 @@ def breakdown(llm, prompts, spn, B: int, steps: int, step_us: float, top_kernels
         print(f"#   {t / 5:8.1f} µs  x{c / 5:5.1f}  {name[:100]}")
 
 
+def host_profile(llm, prompts, spn, steps: int, top: int) -> None:
+    """cProfile of one generate: the `top` functions by own time, in µs per decode step (the prefill step included,
+    spread over the decode steps; the profiler's own overhead inflates every row alike)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    llm.generate(prompts, spn)
+    torch.cuda.synchronize()
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f"#   cProfile, µs per decode step (own / cumulative, calls per step), top {top} by own time:")
+    for (fn, line, name), (_cc, nc, tt, ct, _callers) in rows:
+        print(f"#   {1e6 * tt / steps:8.1f} {1e6 * ct / steps:8.1f} {nc / steps:6.1f}  {os.path.basename(fn)}:{line}({name})")
+
+
 def mode_sets(ap, mode: str, moe) -> dict:
     """The kernels/triton/moe.py constants a --modes entry sets (see the module docstring)."""
     if mode == "graphs-s4":
@@ -251,6 +269,9 @@ def main() -> int:
                     help="the engine's token budget per step (default 16384: 64 x 256-token prompts prefill in one "
                          "step, so every timed step is a pure, graph-replayed decode step; with B x prompt above it "
                          "early requests decode in mixed steps, which run eagerly, and the figure mixes the two)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="after each batch size's timing: cProfile one more generate and print its N functions of "
+                         "most own time (the host's Python between graph replays, ms per decode step)")
     ap.add_argument("--breakdown", action="store_true",
                     help="graph replay alone, kernel count, and the host's phases of a decode step")
     args = ap.parse_args()
@@ -302,6 +323,8 @@ def main() -> int:
                 rows.append((mode, B, tok_s, roof))
                 print(f"# {mode} B={B}: {1e3 * dec / args.steps:.2f} ms per decode step "
                       f"(graph replays so far {llm.engine.runner.num_static_decode_steps})", flush=True)
+                if args.cprofile:
+                    host_profile(llm, prompts, spn, args.steps, args.cprofile)
                 if args.breakdown and mode != "eager" and ":" not in mode:
                     breakdown(llm, prompts, spn, B, args.steps, 1e6 * dec / args.steps)
                 if args.profile and mode == modes[0]:
