@@ -342,14 +342,13 @@ def main(argv=None) -> None:
                 if c == args.cprofile:
                     prof.enable()
                 if c == args.kernel_profile:
-                    n0 = len(r.steps)
                     kprof.start()
                 r.run(sname, p, args.device)
                 if c == args.cprofile:
                     prof.disable()
                 if c == args.kernel_profile:
                     kprof.stop()
-                    kprof_steps += len(r.steps) - n0
+                    kprof_steps += len(r.steps)  # (Row.run starts a request's step list afresh)
         print(f"  {sname}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     rows = []
     for sname, prompts in sets.items():
