@@ -147,12 +147,11 @@ def test_graph_greedy_ids_are_the_samplers(tiny_model_dir, tiny_ref, dtype):
     real = runner.take_greedy_ids
 
     def take(n):
-        size = next(c for c in runner.capture_sizes if c >= n)
-        logits = runner.graphs[size].logits[:n]
-        states = [SamplingState.new(SamplingParams(temperature=0.0), [1]) for _ in range(n)]
-        want = sampler(logits, states).token_ids
         got = real(n)
-        checked.append(got == want)
+        if got is not None:  # a graph-replayed step (the prefill step has no ids: the engine samples it)
+            logits = runner.graphs[next(c for c in runner.capture_sizes if c >= n)].logits[:n]
+            states = [SamplingState.new(SamplingParams(temperature=0.0), [1]) for _ in range(n)]
+            checked.append(got == sampler(logits, states).token_ids)
         return got
 
     runner.take_greedy_ids = take
