@@ -20,7 +20,7 @@ share of a step (wall time per step minus kernel time per step).
 
 `graphs-s6` is `graphs` as session 6 left it: the sampler on every decode step (no argmax in the graph:
 workers/engine/model_runner.py GRAPH_GREEDY off), one RequestOutput per request per step (LLM.final_outputs_only
-off), token-by-token detokenization (LLMEngine.defer_detokenization off), the MoE's accumulator zeroed by a fill kernel (kernels/triton/moe.py GEMV1_ZEROS_OUT off) and the MLA gate's
+off), token-by-token detokenization (LLMEngine.defer_detokenization off), the MoE's accumulator zeroed by a fill kernel (kernels/triton/moe.py GEMV1_ZEROS_OUT and DOT1_ZEROS_OUT off) and the MLA gate's
 sigmoid between two casts (workers/engine/k3_forward.py GATE_SIGMOID_16BIT off), so session 7's changes show side
 by side in one run. `graphs-s4` is `graphs`
 with the MoE as session 4 left it (kernels/triton/moe.py: `route_blocks` by PyTorch's
@@ -237,7 +237,7 @@ def mode_sets(ap, mode: str, moe) -> dict:
     if mode == "graphs-s4":
         return {"ROUTE_KERNEL": False, "GEMV_COMBINE": "atomic"}
     if mode == "graphs-s6":
-        return {"GEMV1_ZEROS_OUT": False}
+        return {"GEMV1_ZEROS_OUT": False, "DOT1_ZEROS_OUT": False}
     if mode in ("graphs", "graphs-cublas", "eager"):
         return {}
     base, colon, items = mode.partition(":")

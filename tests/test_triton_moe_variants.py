@@ -123,11 +123,14 @@ def test_no_valid_pairs(name):
     assert out.shape == (3, 48) and torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("variant,knob,programs", [("gemv", "GEMV1_ZEROS_OUT", None), ("dot", "DOT1_ZEROS_OUT", None),
+                                                   ("dot", "DOT1_ZEROS_OUT", 1)])
 @pytest.mark.parametrize("T,k,I,DOUT,bn1", [(1, 4, 96, 72, 16), (3, 2, 32, 200, 16), (5, 3, 64, 48, 64)])
-def test_gemv_atomic_accumulator_zeroed_in_kernel(monkeypatch, T, k, I, DOUT, bn1):
-    """moe.GEMV1_ZEROS_OUT: the gate/up kernel zeroes the atomic combine's accumulator, which is handed over
-    full of NaNs here (DOUT wider and narrower than the gate/up tiles x ZB, a token with an invalid pair);
-    without the in-kernel zeroing the NaNs reach the output."""
+def test_atomic_accumulator_zeroed_in_kernel(monkeypatch, variant, knob, programs, T, k, I, DOUT, bn1):
+    """moe.GEMV1_ZEROS_OUT / DOT1_ZEROS_OUT: the gate/up kernel zeroes the atomic combine's accumulator, which is
+    handed over full of NaNs here (DOUT wider and narrower than the gate/up tiles x ZB, a token with an invalid
+    pair; "dot" with one persistent program: its zeroing loop covers every chunk); without the in-kernel zeroing
+    the NaNs reach the output."""
     z, tw, ids, kw = _case(T, 7, k, 64, I, DOUT, (True, True), seed=T + DOUT)
     made = []
 
@@ -136,10 +139,11 @@ def test_gemv_atomic_accumulator_zeroed_in_kernel(monkeypatch, T, k, I, DOUT, bn
         return torch.full((T_, D_), float("nan"), dtype=torch.float32, device=dev)
 
     monkeypatch.setattr(moe, "_accumulator", poisoned)
-    knobs = dict(variant="gemv", combine="atomic", bn1=bn1)
+    knobs = dict(variant="gemv", combine="atomic", bn1=bn1) if variant == "gemv" else dict(variant="dot",
+                                                                                          programs=programs)
     _check(z, tw, ids, kw, torch.float32, "situ", 25.0, knobs)
     assert made == [(T, DOUT)]
-    monkeypatch.setattr(moe, "GEMV1_ZEROS_OUT", False)  # the fill kernel instead: no accumulator from here
+    monkeypatch.setattr(moe, knob, False)  # the fill kernel instead: no accumulator from here
     _check(z, tw, ids, kw, torch.float32, "situ", 25.0, knobs)
     assert made == [(T, DOUT)]
 
