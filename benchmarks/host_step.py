@@ -29,8 +29,12 @@ from k3serve.workers.llm import LLM
 from k3serve.workers.model.make_model import make_model
 
 # (GRAPH_GREEDY, LLMEngine.final_outputs_only, LLMEngine.defer_detokenization)
-MODES = {"s6": (False, False, False), "greedy ids": (True, False, False), "+final only": (True, True, False),
-         "s7": (True, True, True)}
+MODES = {
+    "s6": (False, False, False),
+    "greedy ids": (True, False, False),
+    "+final only": (True, True, False),
+    "s7": (True, True, True),
+}
 
 
 def per_step_us(eng, prompts, steps: int, greedy: bool, final_only: bool, defer: bool) -> float:
@@ -75,8 +79,12 @@ def main() -> int:
             for _ in range(args.repeats):
                 for m, knobs in MODES.items():
                     best[m] = min(best[m], per_step_us(eng, prompts, args.steps, *knobs))
-            print(f"| {B} | " + " | ".join(f"{best[m]:.0f}" for m in MODES) + f" | {best['s6'] / best['s7']:.2f}x |",
-                  flush=True)
+            print(
+                f"| {B} | "
+                + " | ".join(f"{best[m]:.0f}" for m in MODES)
+                + f" | {best['s6'] / best['s7']:.2f}x |",
+                flush=True,
+            )
     finally:
         model_runner.GRAPH_GREEDY = before
     return 0

@@ -27,7 +27,11 @@ def test_same_text_at_every_read(tok, skip):
     assert special
     for _ in range(200):
         inc, dfr = IncrementalDetokenizer(tok, skip), DeferredDetokenizer(tok, skip)
-        pool = [*range(256), *special, *range(256, min(tok.vocab_size, 600))]  # bytes (split UTF-8), specials, merges
+        pool = [
+            *range(256),
+            *special,
+            *range(256, min(tok.vocab_size, 600)),
+        ]  # bytes (split UTF-8), specials, merges
         for _ in range(rng.randrange(1, 20)):
             ids = [rng.choice(pool) for _ in range(rng.randrange(1, 4))]
             inc.push(ids)
@@ -36,7 +40,12 @@ def test_same_text_at_every_read(tok, skip):
                 assert dfr.text == inc.text and dfr.num_tokens == inc.num_tokens
         inc.flush()
         dfr.flush()
-        assert dfr.text == inc.text and dfr.num_tokens == inc.num_tokens and dfr.finished and dfr.stopped_by is None
+        assert (
+            dfr.text == inc.text
+            and dfr.num_tokens == inc.num_tokens
+            and dfr.finished
+            and dfr.stopped_by is None
+        )
         dfr.push([ord("x")])  # after the flush: ignored, as the incremental one does
         assert dfr.text == inc.text
 
@@ -44,10 +53,12 @@ def test_same_text_at_every_read(tok, skip):
 def test_engine_outputs_unchanged(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=64, max_num_seqs=8)
     eng = llm.engine
-    params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
-              SamplingParams(temperature=0.9, seed=2, n=2, max_tokens=7, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=8, stop=["e"], ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, skip_special_tokens=False)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=2, n=2, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, stop=["e"], ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, skip_special_tokens=False),
+    ]
     prompts = [[5, 9, 17, 33], [40, 2, 8], [70, 71, 72, 73, 74], [3, 4]]
 
     made = []

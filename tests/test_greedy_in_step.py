@@ -21,8 +21,16 @@ MAX_NEW = 6
 
 
 def _llm(model_dir, **kw):
-    return LLM(str(model_dir), dtype="float64", skip_tokenizer_init=True, max_model_len=64, block_size=16,
-               max_num_seqs=16, static_decode=True, **kw)
+    return LLM(
+        str(model_dir),
+        dtype="float64",
+        skip_tokenizer_init=True,
+        max_model_len=64,
+        block_size=16,
+        max_num_seqs=16,
+        static_decode=True,
+        **kw,
+    )
 
 
 def _count_sampler_calls(llm) -> list[int]:
@@ -71,8 +79,15 @@ def test_rows_that_need_the_sampler_take_it(tiny_model_dir):
 
 @pytest.mark.parametrize(
     "change",
-    [dict(temperature=0.7), dict(logprobs=0), dict(logit_bias={3: 1.0}), dict(min_tokens=2),
-     dict(repetition_penalty=1.1), dict(frequency_penalty=0.5), dict(presence_penalty=0.5)],
+    [
+        dict(temperature=0.7),
+        dict(logprobs=0),
+        dict(logit_bias={3: 1.0}),
+        dict(min_tokens=2),
+        dict(repetition_penalty=1.1),
+        dict(frequency_penalty=0.5),
+        dict(presence_penalty=0.5),
+    ],
 )
 def test_plain_greedy_rule(change):
     base = dict(temperature=0.0, max_tokens=4)

@@ -41,7 +41,9 @@ def test_engine_tokens_and_logits_unchanged(tiny_model_dir, monkeypatch):
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
     runs, calls = [], []
     real = K3ForwardModel._gate_sigmoid
-    monkeypatch.setattr(K3ForwardModel, "_gate_sigmoid", lambda self, g, dt: calls.append(g.dtype) or real(self, g, dt))
+    monkeypatch.setattr(
+        K3ForwardModel, "_gate_sigmoid", lambda self, g, dt: calls.append(g.dtype) or real(self, g, dt)
+    )
     for on in (False, True):
         monkeypatch.setattr(k3_forward, "GATE_SIGMOID_16BIT", on)
         llm = LLM(str(tiny_model_dir), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64)
