@@ -8,6 +8,9 @@ STAMP := $(VENV)/.k3serve-installed
 export PYTHONSAFEPATH := 1
 export K3SERVE_HOME ?= $(HOME)/.cache/k3serve
 PYTEST_ARGS ?=
+# test files run side by side on this many processes (pytest-xdist; each file stays on one process, so its
+# module-scoped servers and simulations are started once); TEST_WORKERS=0 runs everything in this process
+TEST_WORKERS ?= 2
 
 .PHONY: install run test test-fast bench lint fmt clean-venv
 
@@ -21,7 +24,7 @@ run: install
 	$(BIN)/k3serve up
 
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py

@@ -93,7 +93,12 @@ def _with(cr: dict, path: str, value) -> dict:
     return out
 
 
-_DELETE = object()
+class _Deleted:
+    def __repr__(self) -> str:  # a stable test id (xdist workers must collect the same ids)
+        return "<deleted>"
+
+
+_DELETE = _Deleted()
 
 INVALID = [
     (
