@@ -32,8 +32,10 @@ import logging
 
 import torch
 
+from k3serve.kernels import ops
 from k3serve.workers.engine.spec.proposers import MTPProposer
 from k3serve.workers.engine.spec.staging import Staging
+from k3serve.workers.model.functional import acc_dtype, rope_interleaved
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,17 @@ log = logging.getLogger(__name__)
 class GraphMTPProposer(MTPProposer):
     """Greedy MTP drafts from fixed-shape (on CUDA: graph-replayed) observe and draft steps."""
 
-    def __init__(self, cfg, weights, dtype, num_speculative_tokens: int, graphs: bool | None = None,
-                 max_batch: int = 256, slots: int = 4, positions: int = 256):
+    def __init__(
+        self,
+        cfg,
+        weights,
+        dtype,
+        num_speculative_tokens: int,
+        graphs: bool | None = None,
+        max_batch: int = 256,
+        slots: int = 4,
+        positions: int = 256,
+    ):
         from k3serve.workers.engine.model_runner import capture_sizes
 
         super().__init__(cfg, weights, dtype, num_speculative_tokens)
@@ -57,26 +68,86 @@ class GraphMTPProposer(MTPProposer):
         self.graph_pool = None  # the CUDA graphs' memory pool (shared by every size)
         self.num_replays = 0  # observe and draft calls served by a graph replay
         self.num_eager = 0  # the same calls run eagerly (CPU, capture refused) and eager prefill observes
+        self._merge_weights()
         self._alloc(slots, positions)
+
+    def _merge_weights(self) -> None:
+        """Per MTP layer, made once as the engine's decode layer has them (workers/engine/k3_forward.py): the
+        attention's projections of x as one matrix (q or its low-rank input | kv_a | output gate), kv_b split into
+        its q-absorption and value halves, the LatentMoE's latent down-projection and shared experts' gate|up as
+        one matrix, the router in the accumulation dtype, the embedding in the compute dtype."""
+        cfg, dt = self.cfg, self.dtype
+        dn = cfg.qk_nope_head_dim
+        self.acc = acc_dtype(dt)
+        self.m_in, self.m_split, self.m_moe, self.m_moe_split = [], [], [], []
+        self.m_uk, self.m_uv, self.m_embed, self.m_q = [], [], [], []
+        h, dr, r = cfg.num_attention_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        for j in range(self.n):
+            p = f"model.layers.{cfg.num_hidden_layers + j}."
+            aw = self.layer_w[j].sub("self_attn.")
+            names = ["q_a_proj" if cfg.q_lora_rank is not None else "q_proj", "kv_a_proj_with_mqa"]
+            names += ["g_proj"] if cfg.mla_use_output_gate else []
+            parts = [aw[n + ".weight"].to(dt) for n in names]
+            self.m_uk.append(self.wkv[j][:, :dn, :].contiguous())
+            self.m_uv.append(self.wkv[j][:, dn:, :].contiguous())
+            self.m_embed.append(self.embed[j].to(dt))
+            # q's absorbed form in one GEMM (MLA without RoPE): [q_lat | q_pe] per head = kv_b's q half composed
+            # with q_b (or with q_proj, then in x's merged projection itself), made in float64 once
+            qw = aw["q_b_proj.weight" if cfg.q_lora_rank is not None else "q_proj.weight"].to(torch.float64)
+            if cfg.mla_use_nope or dr == 0:
+                qw = qw.view(h, dn + dr, -1)
+                lat = torch.einsum("hdr,hdk->hrk", self.wkv[j][:, :dn, :].to(torch.float64), qw[:, :dn])
+                self.m_q.append(torch.cat([lat, qw[:, dn:]], 1).reshape(h * (r + dr), -1).to(dt))
+                if cfg.q_lora_rank is None:
+                    parts[0] = self.m_q[-1]
+            else:
+                self.m_q.append(None)
+            self.m_in.append(torch.cat(parts))
+            self.m_split.append([t.shape[0] for t in parts])
+            m = p + "block_sparse_moe."
+            fused_moe = (
+                cfg.is_moe_layer(cfg.num_hidden_layers + j)
+                and self.experts[j] is not None
+                and cfg.routed_expert_hidden_size
+                and cfg.num_shared_experts
+            )
+            if fused_moe:
+                parts = [
+                    self.w[m + "routed_expert_down_proj.weight"].to(dt),
+                    self.gate_up[m + "shared_experts."],
+                ]
+                self.m_moe.append(torch.cat(parts))
+                self.m_moe_split.append([t.shape[0] for t in parts])
+            else:
+                self.m_moe.append(None)
+                self.m_moe_split.append(None)
 
     # -- the pool ----------------------------------------------------------------------------------
     def _alloc(self, slots: int, positions: int) -> None:
         cfg, dev, dt = self.cfg, self.device, self.dtype
         old = self._pool
         S, L = slots + 1, positions
-        new = dict(S=slots, L=L,
-                   c=[torch.zeros(S, L, cfg.kv_lora_rank, dtype=dt, device=dev) for _ in range(self.n)],
-                   pe=[torch.zeros(S, L, cfg.qk_rope_head_dim, dtype=dt, device=dev) for _ in range(self.n)],
-                   valid=torch.zeros(S, L, dtype=torch.bool, device=dev),
-                   last_tok=torch.zeros(S, dtype=torch.long, device=dev),
-                   last_h=torch.zeros(S, cfg.hidden_size, dtype=dt, device=dev),
-                   h=torch.zeros(self.sizes[-1], self.T, cfg.hidden_size, dtype=dt, device=dev),
-                   am=torch.zeros(self.sizes[-1], self.T, dtype=torch.long, device=dev))
+        new = dict(
+            S=slots,
+            L=L,
+            kv=[
+                torch.zeros(S, L, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dt, device=dev)
+                for _ in range(self.n)
+            ],
+            bias=torch.full((S, L), float("-inf"), dtype=acc_dtype(dt), device=dev),
+            kpos=torch.arange(L, device=dev),
+            tpos=torch.arange(max(self.T, self.k), device=dev),
+            rowT=torch.arange(self.sizes[-1], device=dev) * self.T - 1,  # (+ nv: a row's last valid pair)
+            last_tok=torch.zeros(S, dtype=torch.long, device=dev),
+            last_h=torch.zeros(S, cfg.hidden_size, dtype=dt, device=dev),
+            h=torch.zeros(self.sizes[-1], self.T, cfg.hidden_size, dtype=dt, device=dev),
+            am=torch.zeros(self.sizes[-1], self.T, dtype=torch.long, device=dev),
+        )
         if old is not None:  # the real rows keep their entries (the padding slot is the last one)
             s0, l0 = old["S"], old["L"]
-            for a, b in zip(new["c"] + new["pe"], old["c"] + old["pe"]):
+            for a, b in zip(new["kv"], old["kv"]):
                 a[:s0, :l0] = b[:s0]
-            new["valid"][:s0, :l0] = old["valid"][:s0]
+            new["bias"][:s0, :l0] = old["bias"][:s0]
             new["last_tok"][:s0] = old["last_tok"][:s0]
             new["last_h"][:s0] = old["last_h"][:s0]
             new["h"].copy_(old["h"])
@@ -95,12 +166,12 @@ class GraphMTPProposer(MTPProposer):
                 self._alloc(2 * self._pool["S"], self._pool["L"])
             s = self.free.pop()
             self.slot_of[rid] = s
-            self._pool["valid"][s].zero_()  # nothing of the row's previous request is read
+            self._pool["bias"][s].fill_(float("-inf"))  # nothing of the row's previous request is read
         return s
 
     def cache_bytes(self) -> int:
         P = self._pool
-        return sum(t.numel() * t.element_size() for t in P["c"] + P["pe"])
+        return sum(t.numel() * t.element_size() for t in P["kv"])
 
     def drop(self, request_id: str) -> None:
         s = self.slot_of.pop(request_id, None)
@@ -109,77 +180,222 @@ class GraphMTPProposer(MTPProposer):
             self.free.append(s)
 
     # -- one MTP layer over the pool ---------------------------------------------------------------
-    def _pooled(self, j: int, h_prev, next_ids, positions, slot, start, write: bool):
-        """Layer j over R rows of s query pairs (h_prev [R, s, H], next_ids [R, s], positions [R, s]) of pool rows
-        `slot` [R]; `start` [R] = the row's first query position. write: the queries' latents go into the pool at
-        their positions (observe); else they are keys after the pool's (draft). Returns (logits [R, s, V],
-        h_next [R, s, H])."""
-        cfg, P = self.cfg, self._pool
-        R, s = next_ids.shape
-        h, r, dr, L = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, P["L"]
-        u, x, q_lat, q_pe, c_kv, k_pe = self._project(j, h_prev.reshape(R * s, -1), next_ids.reshape(-1),
-                                                      positions.reshape(-1))
-        kpos = torch.arange(L, device=slot.device)
-        before = P["valid"][slot] & (kpos[None, :] < start[:, None])  # [R, L]: valid entries before the queries
-        if write:
-            P["c"][j][slot[:, None], positions] = c_kv.view(R, s, r)
-            P["pe"][j][slot[:, None], positions] = k_pe.view(R, s, dr)
-            keys_c, keys_pe = P["c"][j][slot], P["pe"][j][slot]
-            own = (kpos[None, None, :] >= start[:, None, None]) & (kpos[None, None, :] <= positions[:, :, None])
-            mask = ~(before[:, None, :] | own)
+    def _kv(self, j: int, h_prev, ids, pos, zero=None):
+        """Layer j up to the latents of N flat pairs (h_prev [N, H], ids [N], positions pos [N]; zero [N] bool:
+        the pairs whose embedding is zeroed, those at position 0): (u, x, pr: x's merged projection (q's input |
+        kv_a | the gate's input), kv [N, r + dr]: the pool's entry). The engine's decode-layer ops (workers/engine/k3_forward.py): ONE projection of x for q, kv_a and
+        the gate, the norms as ops.rms_norm; the same math as proposers.py `MTPProposer._project`."""
+        cfg = self.cfg
+        lw = self.layer_w[j]
+        eps, r = cfg.rms_norm_eps, cfg.kv_lora_rank
+        e = self.m_embed[j][ids]
+        if zero is not None:
+            e = e.masked_fill(zero[:, None], 0)
+        u = ops.linear(
+            torch.cat(
+                [ops.rms_norm(e, lw["enorm.weight"], eps), ops.rms_norm(h_prev, lw["hnorm.weight"], eps)], -1
+            ),
+            lw["eh_proj.weight"],
+        )
+        x = ops.rms_norm(u, lw["input_layernorm.weight"], eps)
+        pr = ops.linear(x, self.m_in[j])
+        kv_a = pr.split(self.m_split[j], -1)[1]
+        c = ops.rms_norm(kv_a[:, :r], lw["self_attn.kv_a_layernorm.weight"], eps)
+        k_pe = kv_a[:, r:]
+        if not cfg.mla_use_nope and cfg.qk_rope_head_dim > 0:
+            k_pe = rope_interleaved(k_pe, pos, cfg.rope_theta)
+        return u, x, pr, torch.cat([c, k_pe], -1)
+
+    def _query(self, j: int, u, x, pr, pos, keys, mask):
+        """Layer j from the latents on for ONE query per row (R rows: u, x [R, H], pr x's merged projection,
+        pos [R]) over the row's pool entries keys [R, L, r + dr] (its own among them) with the additive mask
+        [R, L] (0 = attended, -inf = not): (argmax token [R] (ties -> the lowest id), h_next [R, H]). Only rows
+        that are read are computed (the attention, MoE and head of the other queries are never read)."""
+        cfg, dt = self.cfg, self.dtype
+        lw = self.layer_w[j]
+        aw = lw.sub("self_attn.")
+        eps = cfg.rms_norm_eps
+        R = u.shape[0]
+        h, dn, dr, dv, r = (
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        )
+        q_in, _kv_a, *g = pr.split(self.m_split[j], -1)
+        g = g[0] if g else None
+        if cfg.q_lora_rank is not None:
+            q_in = ops.rms_norm(q_in, aw["q_a_layernorm.weight"], eps)
+        if self.m_q[j] is not None:  # [q_lat | q_pe] [R, h, r + dr] in one GEMM (without q_b: x's projection)
+            qq = (ops.linear(q_in, self.m_q[j]) if cfg.q_lora_rank is not None else q_in).view(R, h, r + dr)
         else:
-            keys_c = torch.cat([P["c"][j][slot], c_kv.view(R, s, r)], 1)
-            keys_pe = torch.cat([P["pe"][j][slot], k_pe.view(R, s, dr)], 1)
-            causal = torch.ones(s, s, dtype=torch.bool, device=slot.device).triu(1)
-            mask = torch.cat([~before[:, None, :].expand(R, s, L), causal[None].expand(R, s, s)], -1)
-        o_lat = self._attend(q_lat.view(R, s, h, r), q_pe.reshape(R, s, h, dr), keys_c, keys_pe, mask)
-        logits, v = self._finish(j, u, x, o_lat.reshape(R * s, h, r))
-        return logits.view(R, s, -1), v.view(R, s, -1)
+            if cfg.q_lora_rank is not None:
+                q_in = ops.linear(q_in, aw["q_b_proj.weight"])
+            q = q_in.view(R, h, dn + dr)
+            q_pe = rope_interleaved(q[..., dn:], pos, cfg.rope_theta)
+            q_lat = torch.bmm(q[..., :dn].transpose(0, 1), self.m_uk[j]).transpose(0, 1)  # [R, h, r]
+            qq = torch.cat([q_lat, q_pe], -1)
+        scores = torch.bmm(qq, keys.transpose(1, 2))  # [R, h, L]
+        # the scale, the accumulation dtype and the mask in one op
+        scores = torch.add(mask[:, None, :], scores, alpha=(dn + dr) ** -0.5)
+        p = torch.softmax(scores, dim=-1).to(dt)
+        o_lat = torch.bmm(p, keys[..., :r])  # [R, h, r]
+        o = torch.bmm(o_lat.transpose(0, 1), self.m_uv[j].transpose(1, 2)).transpose(0, 1)  # [R, h, dv]
+        if g is not None:
+            o = o * self._gate(g.reshape(R, h, dv))
+        v = u + ops.linear(o.reshape(R, h * dv), aw["o_proj.weight"])
+        y = ops.rms_norm(v, lw["post_attention_layernorm.weight"], eps)
+        i = cfg.num_hidden_layers + j
+        if self.m_moe[j] is not None:
+            v = v + self._latent_moe(j, y)
+        elif cfg.is_moe_layer(i):
+            v = v + self._moe(j, y, lw.sub("block_sparse_moe."))
+        else:
+            v = v + self._dense_mlp(y, lw.sub("mlp."))
+        logits = ops.linear(ops.rms_norm(v, lw["shared_head.norm.weight"], eps), self.head[j])
+        return torch.argmax(logits, dim=-1), v  # (the argmax of the 16-bit logits == that of their fp32 cast)
+
+    def _gate(self, g):
+        """sigmoid(g) in g's dtype: workers/engine/k3_forward.py `_gate_sigmoid` (the 16-bit form when it is
+        exact, else through the accumulation dtype)."""
+        from k3serve.workers.engine import k3_forward
+
+        if (
+            k3_forward.GATE_SIGMOID_16BIT
+            and g.dtype in (torch.bfloat16, torch.float16)
+            and self.acc == torch.float32
+        ):
+            return torch.sigmoid(g)
+        return torch.sigmoid(g.to(self.acc)).to(g.dtype)
+
+    def _latent_moe(self, j: int, y):
+        """The LatentMoE with the latent down-projection and the shared experts' gate|up as ONE GEMM (as
+        workers/engine/k3_forward.py `_moe`); the router's GEMM in the accumulation dtype."""
+        cfg = self.cfg
+        w = self.layer_w[j].sub("block_sparse_moe.")
+        gate_w, bias = self.router[j]
+        weights, ids = ops.moe_route(
+            ops.linear(y, gate_w, self.acc),
+            bias,
+            cfg.num_experts_per_token,
+            num_expert_group=cfg.num_expert_group or 1,
+            topk_group=cfg.topk_group or 1,
+            renormalize=cfg.moe_renormalize,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            scoring=cfg.router_activation,
+        )
+        z, gu = ops.linear(y, self.m_moe[j]).split(self.m_moe_split[j], -1)
+        r = ops.moe_experts(
+            z,
+            weights,
+            ids,
+            activation=cfg.hidden_act,
+            situ_beta=cfg.situ_beta,
+            situ_linear_beta=cfg.situ_linear_beta,
+            **self.experts[j],
+        ).to(y.dtype)
+        if cfg.latent_moe_use_norm:
+            r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
+        r = ops.linear(r, w["routed_expert_up_proj.weight"])
+        a = (
+            ops.situ_and_mul(gu, cfg.situ_beta, cfg.situ_linear_beta)
+            if cfg.hidden_act == "situ"
+            else ops.silu_and_mul(gu)
+        )
+        return r + ops.linear(a.to(y.dtype), w["shared_experts.down_proj.weight"])
 
     # -- the fixed-shape steps ---------------------------------------------------------------------
     def _observe_step(self, size: int):
         """Observe over staged inputs (slot, start, nvalid [size], ids [size, T]) and the hidden buffer."""
         d = self._staging[("observe", size)].dev
-        self._observe(size, d["slot"], d["start"], d["nvalid"], d["ids"])
+        self._observe(self._pool["h"][:size], d["slot"], d["start"], d["nvalid"], d["ids"])
         return None
 
-    def _observe(self, size: int, slot, start, nv, ids):
-        """The observe of `size` rows (device tensors): the pool's latents at start..start+T-1, valid up to
-        nvalid; layer 0's greedy token and hidden state at nvalid - 1 -> last_tok / last_h (also returned)."""
+    def _observe(self, hb, slot, start, nv, ids):
+        """The observe of R rows of T pairs (hb [R, T, H], ids [R, T], device tensors slot, start, nv [R]): every
+        MTP layer's latents at start..start+T-1 into the pool, the pool's mask valid there up to nv; layer 0's
+        greedy token and hidden state at nv - 1 -> last_tok / last_h. Returns them and the mask its query read
+        ([R, L]: the valid entries before start + nv: the drafts' mask to come)."""
         P = self._pool
-        ar = torch.arange(self.T, device=slot.device)
-        positions = start[:, None] + ar[None, :]
-        rows = torch.arange(size, device=slot.device)
-        last = (nv - 1).clamp(min=0)
-        hb = P["h"][:size]
+        R, T = ids.shape
+        # (a prefill chunk: longer than the buffer)
+        ar = P["tpos"][:T] if T <= P["tpos"].numel() else torch.arange(T, device=slot.device)
+        positions = start[:, None] + ar[None, :]  # [R, T]
+        flat_pos = positions.reshape(-1)
+        zero = flat_pos == 0  # the pair at position 0 has no embedding (the reference's rule)
+        end = start + nv  # the first position after the valid pairs (nv >= 1 on every row)
+        P["bias"][slot[:, None], positions] = torch.where(ar[None, :] < nv[:, None], self._zero, self._ninf)
+        mask = P["bias"][slot].masked_fill(P["kpos"][None, :] >= end[:, None], float("-inf"))
+        # each row's query: its last valid pair
+        sel = (torch.arange(R, device=slot.device) * T - 1 if T > self.T else P["rowT"][:R]) + nv
         tok = h0 = None
         for j in range(self.n):
-            logits, h_next = self._pooled(j, hb, ids, positions, slot, start, write=True)
+            u, x, pr, kv = self._kv(j, hb.reshape(R * T, -1), ids.reshape(-1), flat_pos, zero)
+            P["kv"][j][slot[:, None], positions] = kv.view(R, T, -1)
+            # the other layers' outputs at the observe are never read: their latents are all it needs
             if j == 0:
-                tok = torch.argmax(logits[rows, last], dim=-1)  # ties -> the lowest id
-                h0 = h_next[rows, last]
-                P["last_tok"][slot] = tok
-                P["last_h"][slot] = h0
-        P["valid"][slot[:, None], positions] = ar[None, :] < nv[:, None]
-        return tok, h0
+                tok, h0 = self._query(0, u[sel], x[sel], pr[sel], flat_pos[sel], P["kv"][0][slot], mask)
+        P["last_tok"][slot] = tok
+        P["last_h"][slot] = h0
+        return tok, h0, mask, end
+
+    @property
+    def _zero(self):
+        return self._consts()[0]
+
+    @property
+    def _ninf(self):
+        return self._consts()[1]
+
+    def _consts(self):
+        c = getattr(self, "_const", None)
+        if c is None:
+            acc = acc_dtype(self.dtype)
+            c = self._const = (
+                torch.zeros((), dtype=acc, device=self.device),
+                torch.full((), float("-inf"), dtype=acc, device=self.device),
+            )
+        return c
 
     def _draft_step(self, size: int) -> torch.Tensor:
         """The k drafts [size, k] of staged rows (slot, base [size]: the first draft position)."""
         d = self._staging[("draft", size)].dev
         P = self._pool
-        slot = d["slot"]
-        return self._draft(slot, d["base"], P["last_tok"][slot], P["last_h"][slot])
+        slot, base = d["slot"], d["base"]
+        mask = P["bias"][slot].masked_fill(P["kpos"][None, :] >= base[:, None], float("-inf"))
+        return torch.stack(self._draft(slot, base, P["last_tok"][slot], P["last_h"][slot], mask), 1)
 
-    def _draft(self, slot, base, tok0, h0) -> torch.Tensor:
-        """Drafts [R, k] from the first draft (tok0 [R], with its hidden state h0 [R, H]) at position base [R]."""
+    def _draft(self, slot, base, tok0, h0, mask) -> list:
+        """The k drafts ([R] each) from the first (tok0 [R], with its hidden state h0 [R, H]) at position base [R];
+        mask [R, L]: the valid entries before base (0, else -inf), updated in place. Draft step s runs layer
+        j = s % n with ONE query, the pair s - 1; its keys are the valid entries before base and the pairs drafted
+        so far, whose latents are written into the pool's row at their positions base.. (those entries are
+        rewritten by the next observe, which starts at base, before anything reads them): a pair's latent for
+        layer j is computed once, at the first draft step of layer j after it."""
+        P = self._pool
         toks, hs = [tok0], [h0]
+        done = [0] * self.n  # pairs whose latent layer j holds
+        # the drafted pairs' positions
+        dpos = base[:, None] + P["tpos"][None, : self.k - 1] if self.k > 1 else None
         for s in range(1, self.k):
             j = s % self.n
-            positions = base[:, None] + torch.arange(s, device=slot.device)[None, :]
-            lg, hn = self._pooled(j, torch.stack(hs, 1), torch.stack(toks, 1), positions, slot, base, write=False)
-            toks.append(torch.argmax(lg[:, -1], dim=-1))
-            hs.append(hn[:, -1])
-        return torch.stack(toks, 1)
+            rows = range(done[j], s)  # the pairs new to layer j (one when n == 1)
+            pos = dpos[:, done[j] : s]  # [R, m]
+            m = s - done[j]
+            hp = hs[-1] if m == 1 else torch.stack([hs[i] for i in rows], 1).reshape(-1, hs[0].shape[-1])
+            ip = toks[-1] if m == 1 else torch.stack([toks[i] for i in rows], 1).reshape(-1)
+            u, x, pr, kv = self._kv(j, hp, ip, pos.reshape(-1))
+            P["kv"][j][slot[:, None], pos] = kv.view(pos.shape[0], m, -1)
+            mask.scatter_(1, pos, 0.0)
+            done[j] = s
+            if m > 1:  # the query is the last pair's
+                last = torch.arange(pos.shape[0], device=slot.device) * m + (m - 1)
+                u, x, pr = u[last], x[last], pr[last]
+            tok, hn = self._query(j, u, x, pr, pos[:, -1], P["kv"][j][slot], mask)
+            toks.append(tok)
+            hs.append(hn)
+        return toks
 
     def _fused_step(self, size: int) -> torch.Tensor:
         """Greedy acceptance, observe and the next drafts of staged verify rows in one fixed-shape step: slot,
@@ -193,12 +409,12 @@ class GraphMTPProposer(MTPProposer):
         slot, start, nd, dr = d["slot"], d["start"], d["ndraft"], d["drafts"]
         am = P["am"][:size]
         k = self.k
-        match = (dr == am[:, :k]) & (torch.arange(k, device=slot.device)[None, :] < nd[:, None])
-        acc = match.long().cumprod(1).sum(1)
+        match = (dr == am[:, :k]) & (P["tpos"][None, :k] < nd[:, None])
+        acc = match.cumprod(1).sum(1)
         nv = acc + 1
-        tok0, h0 = self._observe(size, slot, start, nv, am)
-        drafts = self._draft(slot, start + nv, tok0, h0)
-        return torch.cat([am, acc[:, None], drafts], 1)
+        tok0, h0, mask, end = self._observe(P["h"][:size], slot, start, nv, am)
+        drafts = self._draft(slot, end, tok0, h0, mask)
+        return torch.cat([am, acc[:, None]] + [t[:, None] for t in drafts], 1)
 
     def _stage(self, kind: str, size: int) -> Staging:
         key = (kind, size)
@@ -206,10 +422,17 @@ class GraphMTPProposer(MTPProposer):
         if st is None:
             i64, T, k = torch.int64, self.T, self.k
             if kind == "observe":
-                f = dict(slot=(i64, (size,)), start=(i64, (size,)), nvalid=(i64, (size,)), ids=(i64, (size, T)))
+                f = dict(
+                    slot=(i64, (size,)), start=(i64, (size,)), nvalid=(i64, (size,)), ids=(i64, (size, T))
+                )
             elif kind == "fused":
-                f = dict(slot=(i64, (size,)), start=(i64, (size,)), ndraft=(i64, (size,)), drafts=(i64, (size, k)),
-                         dst=(i64, (size * T,)))
+                f = dict(
+                    slot=(i64, (size,)),
+                    start=(i64, (size,)),
+                    ndraft=(i64, (size,)),
+                    drafts=(i64, (size, k)),
+                    dst=(i64, (size * T,)),
+                )
             else:
                 f = dict(slot=(i64, (size,)), base=(i64, (size,)))
             st = self._staging[key] = Staging(f, self.device)
@@ -249,7 +472,9 @@ class GraphMTPProposer(MTPProposer):
             self.graph_pool = graph.pool()
         except RuntimeError as e:
             self.use_graphs = False
-            log.warning("CUDA graphs off for the MTP drafter (%s); it runs eagerly", str(e).splitlines()[0][:200])
+            log.warning(
+                "CUDA graphs off for the MTP drafter (%s); it runs eagerly", str(e).splitlines()[0][:200]
+            )
             return None
         self.graphs[(kind, size)] = (graph, out)
         return self.graphs[(kind, size)]
@@ -266,23 +491,22 @@ class GraphMTPProposer(MTPProposer):
             else:
                 self._observe_long(req, start, hidden, verified)
         for i in range(0, len(small), self.sizes[-1]):
-            self._observe_small(small[i:i + self.sizes[-1]])
+            self._observe_small(small[i : i + self.sizes[-1]])
 
     def _observe_long(self, req, start: int, hidden: torch.Tensor, v: int) -> None:
         """A prefill chunk: eagerly, alone (its v query pairs at start..start+v-1)."""
         rid = req.request_id
-        slot_i = self._slot(rid, start + v)
-        P, dev = self._pool, self.device
+        slot_i = self._slot(rid, start + v + self.k)  # (+ the drafts after it)
+        dev = self.device
         slot = torch.tensor([slot_i], device=dev)
-        st = torch.tensor([start], device=dev)
-        positions = st[:, None] + torch.arange(v, device=dev)[None, :]
-        ids = torch.tensor(req.all_token_ids[start + 1:start + v + 1], device=dev)[None]
-        for j in range(self.n):
-            logits, h_next = self._pooled(j, hidden[None, :v], ids, positions, slot, st, write=True)
-            if j == 0:
-                P["last_tok"][slot] = torch.argmax(logits[:, v - 1], dim=-1)
-                P["last_h"][slot] = h_next[:, v - 1]
-        P["valid"][slot_i, start:start + v] = True
+        ids = torch.tensor(req.all_token_ids[start + 1 : start + v + 1], device=dev)[None]
+        self._observe(
+            hidden[None, :v].to(self.dtype),
+            slot,
+            torch.tensor([start], device=dev),
+            torch.tensor([v], device=dev),
+            ids,
+        )
         self.last_pos[rid] = start + v - 1
         self.num_eager += 1
 
@@ -290,20 +514,21 @@ class GraphMTPProposer(MTPProposer):
         n = len(items)
         size = next(s for s in self.sizes if s >= n)
         T = self.T
-        slots = [self._slot(req.request_id, start + T) for req, start, _h, _v in items]
+        # (room for the drafts after the chunk too)
+        slots = [self._slot(req.request_id, start + T + self.k) for req, start, _h, _v in items]
         st = self._stage("observe", size)
         h = st.host()
         P = self._pool  # (after any growth in _slot)
         h["slot"][:] = P["S"]
         h["slot"][:n] = slots
         h["start"][:] = 0
-        h["nvalid"][:] = 0
+        h["nvalid"][:] = 1  # (padding rows: one valid pair of the padding slot, so every query has a key)
         h["ids"][:] = 0
         hb = P["h"]
         for b, (req, start, hidden, v) in enumerate(items):
             h["start"][b] = start
             h["nvalid"][b] = v
-            h["ids"][b, :v] = req.all_token_ids[start + 1:start + v + 1]
+            h["ids"][b, :v] = req.all_token_ids[start + 1 : start + v + 1]
             hb[b, :v].copy_(hidden[:v])  # device to device (asynchronous)
             self.last_pos[req.request_id] = start + v - 1
         st.send()
@@ -312,9 +537,11 @@ class GraphMTPProposer(MTPProposer):
     @torch.inference_mode()
     def propose_batch(self, reqs) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in reqs]
-        ready = [i for i, req in enumerate(reqs) if self.last_pos.get(req.request_id, -2) == req.num_tokens - 2]
+        ready = [
+            i for i, req in enumerate(reqs) if self.last_pos.get(req.request_id, -2) == req.num_tokens - 2
+        ]
         for c in range(0, len(ready), self.sizes[-1]):
-            part = ready[c:c + self.sizes[-1]]
+            part = ready[c : c + self.sizes[-1]]
             n = len(part)
             size = next(s for s in self.sizes if s >= n)
             st = self._stage("draft", size)
@@ -346,7 +573,8 @@ class GraphMTPProposer(MTPProposer):
         n = len(items)
         size = next(s for s in self.sizes if s >= n)
         T = self.T
-        slots = [self._slot(req.request_id, start + T) for req, start, _d in items]
+        # (room for the drafts after the chunk too)
+        slots = [self._slot(req.request_id, start + T + self.k) for req, start, _d in items]
         st = self._stage("fused", size)
         h = st.host()
         P = self._pool  # (after any growth in _slot)
@@ -361,7 +589,7 @@ class GraphMTPProposer(MTPProposer):
             h["start"][b] = start
             h["ndraft"][b] = c
             h["drafts"][b, :c] = drafts
-            dst[o:o + 1 + c] = range(b * T, b * T + 1 + c)
+            dst[o : o + 1 + c] = range(b * T, b * T + 1 + c)
             o += 1 + c
         d = st.send()
         idx = d["dst"][:o]
@@ -372,7 +600,7 @@ class GraphMTPProposer(MTPProposer):
         for b, (req, start, _d) in enumerate(items):
             a = int(res[b, T])
             self.last_pos[req.request_id] = start + a
-            out.append((res[b, :a + 1].tolist(), a, res[b, T + 1:].tolist()))
+            out.append((res[b, : a + 1].tolist(), a, res[b, T + 1 :].tolist()))
         return out
 
     def drafts_for(self, req, drafts: list[int]) -> list[int]:
