@@ -7,21 +7,28 @@ replay per size:
 
 * observe: every decode/verify chunk of the step as T = 1 + k query pairs (h_t, x_{t+1}) at positions
   start..start+T-1, of which the first `nvalid` (the verified tokens) are real; each MTP layer writes the T latents
-  into the request's row of a pooled cache, the query at `nvalid - 1` leaves layer 0's greedy token and hidden state
-  per request (`last_tok`, `last_h`), and the pool marks positions start..start+nvalid-1 valid.
-* draft: the k - 1 further draft steps for every drafting request; draft step s runs MTP layer s % n over the s
-  pairs drafted so far, over the request's valid pool entries before it plus those pairs (causally), and takes the
-  argmax at the last one. The k drafts stay on the device until one copy to the host (the step's one sync here).
+  into the request's row of a pooled cache, and layer 0 runs ONE query, the pair at `nvalid - 1` (the only one whose
+  outputs are read), for the greedy token and hidden state per request (`last_tok`, `last_h`); the pool marks
+  positions start..start+nvalid-1 valid.
+* draft: the k - 1 further draft steps for every drafting request; draft step s runs MTP layer s % n with one query,
+  the pair s - 1, over the request's valid pool entries before its first draft position and the pairs drafted so
+  far, and takes its argmax. A drafted pair's latent is written into the pool row at its position (entries at or
+  after the next observe's start, which rewrites them before any read), so each draft step projects only the pairs
+  new to its layer (one when n == 1). The k drafts stay on the device until one copy to the host.
 
-The cache: per MTP layer a pool [slots + 1, L, r] / [slots + 1, L, dr] on the device and one `valid` [slots + 1, L]
-(the last slot takes padding rows). Entry t of a request's row is the latent of the pair (h_t, x_{t+1}); a query of
-an observe attends to the VALID entries before the chunk's start and to the chunk's own queries up to itself, a
+The cache: per MTP layer a pool [slots + 1, L, r + dr] (the latent and the rope key side by side: one gather, one
+score GEMM) on the device and one additive mask `bias` [slots + 1, L] in the accumulation dtype (0 = valid, -inf;
+the last slot takes padding rows). Entry t of a request's row is the latent of the pair (h_t, x_{t+1}); a query of
+an observe attends to the VALID entries before the chunk's start and to the chunk's own pairs up to itself, a
 draft query to the valid entries before its request's first draft position and to the drafted pairs up to itself:
 the eager form's keys (its cache = the entries of verified positions; its recomputation drops entries from the
-recomputed start, which these masks never read: every entry at or after an observe's start is rewritten by it
-before any later read). Rows are reused by later requests after their `valid` row is cleared. The pool grows
-(doubling slots or positions) when a request or a position does not fit; the captured graphs are then dropped and
-recaptured. Prefill chunks (more than T tokens) are observed eagerly through the same pool (one request at a time).
+recomputed start, which these masks never read). The step's mask is made once (the observe's query and then the
+draft steps, one scatter each). Rows are reused by later requests after their `bias` row is cleared. The pool grows
+(doubling slots or positions) when a request or a position (a chunk and the drafts after it) does not fit; the
+captured graphs are then dropped and recaptured. Prefill chunks (more than T tokens) are observed eagerly through
+the same pool (one request at a time). The layer's ops are the engine decode layer's (workers/engine/k3_forward.py:
+merged projections, ops.rms_norm / ops.linear, the 16-bit gate sigmoid), with q absorbed through kv_b into one GEMM
+(MLA without RoPE); benchmarks/mtp_drafter_ops.py counts a step's ops.
 Before a size is captured its first warm-up runs with CUDA's sync debug mode "error": a step that waits for the host
 (an op without a sync-free kernel here) keeps these calls eager, with one warning.
 """
