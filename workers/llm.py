@@ -68,7 +68,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         want = set(order)
         eng = self.engine
-        before = eng.__dict__.get("final_outputs_only")
+        before = eng.final_outputs_only
         eng.final_outputs_only = self.final_outputs_only  # only finished outputs are kept here
         try:
             while want - done.keys():
@@ -76,8 +76,5 @@ class LLM:
                     if out.finished and out.request_id in want:
                         done[out.request_id] = out
         finally:
-            if before is None:
-                del eng.final_outputs_only
-            else:
-                eng.final_outputs_only = before
+            eng.final_outputs_only = before
         return [done[r] for r in order]

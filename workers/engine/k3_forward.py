@@ -22,6 +22,14 @@ from k3serve.workers.model.functional import LayerWeights, acc_dtype, rope_inter
 # its two casts (-2 kernels per MLA layer). False: the two casts (decode_roofline's graphs-s6 mode).
 GATE_SIGMOID_16BIT = True
 
+
+def gate_sigmoid(g: torch.Tensor, dtype: torch.dtype, acc: torch.dtype) -> torch.Tensor:
+    """sigmoid(g) computed in the accumulation dtype `acc`, in `dtype` (the 16-bit form when it is exact: see
+    GATE_SIGMOID_16BIT). The MLA output gate of the target's layers and of the MTP drafter's (spec/mtp_graphs.py)."""
+    if GATE_SIGMOID_16BIT and g.dtype == dtype and dtype in (torch.bfloat16, torch.float16) and acc == torch.float32:
+        return torch.sigmoid(g)
+    return torch.sigmoid(g.to(acc)).to(dtype)
+
 # the projections: `functional.linear` on the CPU; on CUDA decode-sized ones (<= 16 rows) take the skinny GEMM
 # (kernels/triton/gemv.py); the optional third argument is the compute dtype, the operands' cast folded in
 linear = ops.linear
@@ -215,11 +223,7 @@ class K3ForwardModel:
         return linear(o.reshape(T, h * dv), w["o_proj.weight"])
 
     def _gate_sigmoid(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """sigmoid(g) computed in the accumulation dtype, in `dtype` (see GATE_SIGMOID_16BIT)."""
-        if (GATE_SIGMOID_16BIT and g.dtype == dtype and dtype in (torch.bfloat16, torch.float16)
-                and self.acc == torch.float32):
-            return torch.sigmoid(g)
-        return torch.sigmoid(g.to(self.acc)).to(dtype)
+        return gate_sigmoid(g, dtype, self.acc)
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.hidden_act == "situ":

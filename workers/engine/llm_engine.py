@@ -541,15 +541,13 @@ class LLMEngine:
         {request id: (tokens, accepted, next drafts)} in chunk order, else None (the step takes the
         rejection sampler and `_propose`). The same tokens as `_greedy_fast` and the same drafts as the
         drafter's observe + propose (tests/test_spec_fused.py)."""
-        from k3serve.workers.engine.spec.rejection_sampler import _plain_greedy
-
         prop = self.proposer
         fn = getattr(prop, "verify_and_draft", None)
         spec = sched.spec_token_ids
         if (fn is None or not self.fused_spec_step or failed or logits is None or not sample_chunks
                 or len(sample_chunks) != len(sched.chunks) or not prop.can_fuse(len(sample_chunks))
                 or not all(spec.get(c.request_id) for c in sample_chunks)
-                or not all(_plain_greedy(self.seqs[c.request_id].sampling) for c in sample_chunks)):
+                or not all(plain_greedy(self.seqs[c.request_id].sampling) for c in sample_chunks)):
             return None
         hidden = self.runner.model.hidden
         if hidden is None or hidden.shape[0] != logits.shape[0]:

@@ -40,6 +40,7 @@ import logging
 import torch
 
 from k3serve.kernels import ops
+from k3serve.workers.engine.k3_forward import gate_sigmoid
 from k3serve.workers.engine.spec.proposers import MTPProposer
 from k3serve.workers.engine.spec.staging import Staging
 from k3serve.workers.model.functional import acc_dtype, rope_interleaved
@@ -250,7 +251,7 @@ class GraphMTPProposer(MTPProposer):
         o_lat = torch.bmm(p, keys[..., :r])  # [R, h, r]
         o = torch.bmm(o_lat.transpose(0, 1), self.m_uv[j].transpose(1, 2)).transpose(0, 1)  # [R, h, dv]
         if g is not None:
-            o = o * self._gate(g.reshape(R, h, dv))
+            o = o * gate_sigmoid(g.reshape(R, h, dv), g.dtype, self.acc)
         v = u + ops.linear(o.reshape(R, h * dv), aw["o_proj.weight"])
         y = ops.rms_norm(v, lw["post_attention_layernorm.weight"], eps)
         i = cfg.num_hidden_layers + j
@@ -262,19 +263,6 @@ class GraphMTPProposer(MTPProposer):
             v = v + self._dense_mlp(y, lw.sub("mlp."))
         logits = ops.linear(ops.rms_norm(v, lw["shared_head.norm.weight"], eps), self.head[j])
         return torch.argmax(logits, dim=-1), v  # (the argmax of the 16-bit logits == that of their fp32 cast)
-
-    def _gate(self, g):
-        """sigmoid(g) in g's dtype: workers/engine/k3_forward.py `_gate_sigmoid` (the 16-bit form when it is
-        exact, else through the accumulation dtype)."""
-        from k3serve.workers.engine import k3_forward
-
-        if (
-            k3_forward.GATE_SIGMOID_16BIT
-            and g.dtype in (torch.bfloat16, torch.float16)
-            and self.acc == torch.float32
-        ):
-            return torch.sigmoid(g)
-        return torch.sigmoid(g.to(self.acc)).to(g.dtype)
 
     def _latent_moe(self, j: int, y):
         """The LatentMoE with the latent down-projection and the shared experts' gate|up as ONE GEMM (as

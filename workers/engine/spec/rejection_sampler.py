@@ -44,8 +44,7 @@ from k3serve.workers.sample.draw import step_seed
 from k3serve.workers.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p
 from k3serve.workers.sample.logprobs import compute_logprobs, gather_logprobs
 from k3serve.workers.sample.processors import apply_logit_bias, apply_min_tokens, apply_penalties
-from k3serve.workers.sample.sampler import Sampler
-from k3serve.workers.sample.sampler import plain_greedy as _plain_greedy  # the plain Sampler's rule
+from k3serve.workers.sample.sampler import Sampler, plain_greedy
 from k3serve.workers.sample.state import LogprobEntry, SamplingState
 
 
@@ -167,7 +166,7 @@ class RejectionSampler:
         _check_inputs(logits, states, draft_token_ids, draft_probs, counts)
         if n == 0:
             return SpecSamplerOutput(token_ids=[], num_accepted=[], logprobs=None)
-        if all(_plain_greedy(st) for st in states):
+        if all(plain_greedy(st) for st in states):
             return _greedy_fast(logits, draft_token_ids, counts)
         dev = logits.device
         dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
