@@ -17,7 +17,9 @@ For every batch size, the same mixed-length prompts (lengths uniform in [--min-l
   continuous batching, chunked prefill, `max_num_seqs` = the batch); `--max-num-batched-tokens N M ...` gives
   one engine row per token budget against the same transformers timing (default: the engine's own default).
 
-Each side is warmed up once (a small batch), then timed `--repeats` times alternately (the best time
+Each side is warmed up once on a batch of the timed one's size and length range with 3 new tokens (so Triton's compiles and autotuning for
+its shapes and the engine's CUDA-graph capture for its batch size happen before the clock; a warm-up on a small
+batch left them inside the first timed run), then timed `--repeats` times alternately (the best time
 counts, so a noisy neighbour hurts neither side more). Printed per batch size: both sides' generated
 tokens/s (end to end, prefill included, wall clock), their ratio, the ratio of the process CPU time the two
 spent (on a shared CPU with `--threads 1` the steadier figure: time spent waiting for a core is not in
@@ -217,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = make_prompts(n, lo, hi, vocab, args.seed + n)
         llms = [LLM(model_dir, device=args.device, dtype=dtype_name, max_num_seqs=n, max_model_len=max_len,
                     skip_tokenizer_init=True, max_num_batched_tokens=b) for b in budgets]
-        warm = make_prompts(min(n, 2), lo, lo, vocab, args.seed + 1000)
-        hf_generate(hf, warm, 2, args.device)
+        warm = make_prompts(n, lo, hi, vocab, args.seed + 1000 + n)  # the timed batch's shape, other ids
+        hf_generate(hf, warm, 3, args.device)
         for llm in llms:
-            engine_generate(llm, warm, 2)
+            engine_generate(llm, warm, 3)
         t_hf, c_hf = [], []
         t_en, c_en, got = [[] for _ in llms], [[] for _ in llms], [None] * len(llms)
         for _ in range(args.repeats):
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                 bad.append(n)
             rows.append([n, sum(map(len, prompts)), llm.engine.args.max_num_batched_tokens, tok / min(t_hf),
                          tok / min(t_en[j]), min(t_hf) / min(t_en[j]), min(c_hf) / min(c_en[j]), f"{agree}/{n}"])
+            print(f"# {n} prompts, budget {rows[-1][2]}: transformers {rows[-1][3]:.1f} tok/s, engine "
+                  f"{rows[-1][4]:.1f} tok/s, ratio {rows[-1][5]:.3f}, agree {agree}/{n}", flush=True)  # kept if cut
         del llms
     print_table(["prompts", "prompt tokens", "engine budget", "transformers tok/s", "engine tok/s", "ratio",
                  "CPU-time ratio", "greedy agree"], rows)

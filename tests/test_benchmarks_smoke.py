@@ -138,3 +138,17 @@ def test_agentic_trace_replays_previous_turns():
     assert tr.working_set_blocks(16, 3) == want
     with pytest.raises(ValueError):
         tr.prompt(0, 1, None, None)
+
+
+def test_mixed_step_smallest_run():
+    """benchmarks/mixed_step.py (issue 19's mixed-step row) on the CPU: the parts and the mixed step are timed,
+    and the mixed step of 8 decode rows + a 48-token chunk costs more than the decode part alone."""
+    out = _run("mixed_step.py", "--device", "cpu", "--preset", "tiny", "--chunk", "48", "--context", "16",
+               "--repeats", "1")
+    headers, rows = _table(out, "measure")
+    assert headers[-1] == "mixed / (decode + prefill)"
+    assert [r[0] for r in rows] == ["wall", "op self time (CPU stand-in)"]
+    for r in rows:
+        dec, pre, mixed, ratio = (float(c) for c in r[1:])
+        assert dec > 0 and pre > 0 and mixed > dec
+        assert abs(ratio - mixed / (dec + pre)) < 2e-3

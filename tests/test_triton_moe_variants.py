@@ -194,3 +194,69 @@ def test_lean_decode_exact(B, POST, sbytes):
         out = torch.empty(1024, dtype=torch.float32)
         _decode_kernel[(1,)](packed.view(torch.int32).reshape(-1), scales.reshape(-1), out, NW=128, B=B, POST=POST)
         assert torch.equal(out, ref.reshape(-1)), sbyte
+
+
+@pytest.mark.parametrize("dt,fp4", [(torch.float32, (True, True)), (torch.float32, (False, True)),
+                                    (torch.bfloat16, (True, True))])
+def test_dot_large_blocks(monkeypatch, dt, fp4):
+    """The "dot" path's 64-row blocks (moe.DOT_BM_LARGE, prefill-sized batches): blocks of one expert span several
+    64-row tiles and a partial last one, every expert routed, some pairs invalid; equal to the reference and to
+    the 16-row blocks."""
+    T, E, k = 150, 4, 2  # 300 pairs: ~75 per expert, i.e. one full 64-row block + a partial one per expert
+    z, tw, ids, kw = _case(T, E, k, 96, 64, 72, fp4, seed=11)
+    ids[::7, 0] = -1
+    monkeypatch.setattr(moe, "DOT_BM_LARGE", 64)
+    assert moe.dot_block_rows(T * k, E) == 64
+    sid, order, starts = route_blocks(ids, E, bm=64)
+    nblk = int((starts >= 0).sum())
+    counts = torch.bincount(ids[ids >= 0], minlength=E)
+    assert nblk == int(((counts + 63) // 64).sum())  # blocks of <= 64 pairs of one expert
+    big = _check(z, tw, ids, kw, dt, "situ", 25.0, dict(variant="dot"))
+    monkeypatch.setattr(moe, "DOT_BM_LARGE", 16)
+    assert moe.dot_block_rows(T * k, E) == 16
+    small = _check(z, tw, ids, kw, dt, "situ", 25.0, dict(variant="dot"))
+    assert abs(big - small) < (1e-5 if dt == torch.float32 else 2e-2)
+
+
+def test_dot_block_rows_threshold(monkeypatch):
+    """16-row blocks below DOT_BM_MIN_PAIRS_PER_EXPERT pairs per expert on average (decode batches), 64 above."""
+    monkeypatch.setattr(moe, "DOT_BM_LARGE", 64)
+    E = 64
+    assert moe.dot_block_rows(moe.DOT_BM_MIN_PAIRS_PER_EXPERT * E - 1, E) == moe.BM == 16
+    assert moe.dot_block_rows(moe.DOT_BM_MIN_PAIRS_PER_EXPERT * E, E) == 64
+    assert moe.dot_block_rows(64 * 8, E) == 16  # B=64 decode, top-8: 8 pairs per expert
+    assert moe.dot_block_rows(2048 * 8, E) == 64  # a 2K prefill chunk
+
+
+_AOT_LARGE_BLOCKS = """
+import torch
+from k3serve.kernels.reference.mxfp4 import mxfp4_quantize
+from k3serve.kernels.triton import moe
+from k3serve.kernels.triton.aot_check import capture_compiles
+T, E, k, DIN, I, DOUT = 2048, 64, 8, 1024, 768, 1024  # the small preset's LatentMoE, a 2K prefill chunk
+g = torch.Generator().manual_seed(0)
+w13p, w13s = mxfp4_quantize(torch.randn(E, 2 * I, DIN, generator=g) * 0.1)
+w2p, w2s = mxfp4_quantize(torch.randn(E, DOUT, I, generator=g) * 0.1)
+ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+moe.DOT_BM_LARGE = 64
+with capture_compiles() as reps:
+    moe.moe_experts_triton(torch.randn(T, DIN).bfloat16(), torch.rand(T, k), ids, w13_packed=w13p, w13_scale=w13s,
+                           w2_packed=w2p, w2_scale=w2s, variant="dot")
+for r in reps:
+    print(r.line())
+"""
+
+
+def test_dot_large_blocks_compile_for_sm90():
+    """The 64-row "dot" kernels compile for an H200 (sm_90) through Triton's full pipeline on this CPU
+    (kernels/triton/aot_check.py, a process without the interpreter): wgmma, no spills."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _AOT_LARGE_BLOCKS], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("_moe_dot")]
+    assert len(lines) == 2 and all("'BMR': 64" in ln for ln in lines), r.stdout
+    assert all(" spills=0 " in ln and "wgmma=True" in ln for ln in lines), r.stdout

@@ -141,11 +141,11 @@ def _fp4_tile(w_ptr, s_ptr, e, rn, kh, mask, w_e, w_n, s_e, s_n, DT: tl.constexp
 
 
 @triton.jit
-def _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK):
+def _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK, BMR: tl.constexpr):
     st = tl.load(start_ptr + blk)
     st_c = tl.maximum(st, 0)
     e = tl.load(sid_ptr + st_c).to(tl.int64)
-    r = st_c + tl.arange(0, 16)
+    r = st_c + tl.arange(0, BMR)
     rm = (r < P) & (st >= 0)
     ids_r = tl.load(sid_ptr + r, mask=rm, other=-1)
     rm = rm & (ids_r == e)
@@ -211,7 +211,7 @@ def _moe_gemm1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, w_ptr, s_ptr, h_ptr,
                       FP4: tl.constexpr, SITU: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr):
     blk = tl.program_id(0)
     nt = tl.program_id(1)
-    st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK)
+    st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK, 16)
     if st >= 0:
         rn = nt * BN + tl.arange(0, BN)
         mn = rn < I
@@ -228,7 +228,7 @@ def _moe_gemm2_kernel(h_ptr, sid_ptr, order_ptr, start_ptr, w_ptr, s_ptr, tw_ptr
                       PREC: tl.constexpr):
     blk = tl.program_id(0)
     nt = tl.program_id(1)
-    st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK)
+    st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK, 16)
     if st >= 0:
         rn = nt * BN + tl.arange(0, BN)
         mn = rn < DOUT
@@ -396,14 +396,19 @@ def _moe_gemv2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, I, DOUT, TO
 
 @triton.jit
 def _dot_rows(x_ptr, x_stride, rows, rm, w_ptr, s_ptr, e, rn, mn, KIN, w_e, w_n, s_e, s_n, BN: tl.constexpr,
-              BK: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr, TWO: tl.constexpr, ROW2):
-    """Like `_gemm_rows` (acc[16, BN] = x[rows] @ W_e[rn]ᵀ, and acc2 for rows rn + ROW2 if TWO), with the lean
+              BK: tl.constexpr, FP4: tl.constexpr, PREC: tl.constexpr, TWO: tl.constexpr, ROW2, BMR: tl.constexpr):
+    """Like `_gemm_rows` (acc[BMR, BN] = x[rows] @ W_e[rn]ᵀ, and acc2 for rows rn + ROW2 if TWO), with the lean
     MXFP4 decode: int32 words [BN, G, 4]; nibble i of every word forms the K = BK/8 operand of one tl.dot
     (x gathered with stride 8 to match). The operand is value·2^(s-127)·2^-32 (`_group_factor`), so the
     result is multiplied by 2^32 at the end."""
-    acc = tl.zeros([16, BN], dtype=tl.float32)
-    acc2 = tl.zeros([16, BN], dtype=tl.float32)
+    acc = tl.zeros([BMR, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BMR, BN], dtype=tl.float32)
     DT = x_ptr.dtype.element_ty
+    # 64-row blocks (DOT_BM_LARGE): the decoded weights (in registers) as the dot's A operand, accᵀ[BN, BMR] =
+    # W·xᵀ, transposed at the end (sm_90 rejects the decoded tile as a wgmma B operand: "Illegal shared layout")
+    TR: tl.constexpr = BMR >= 64
+    acc_t = tl.zeros([BN, BMR], dtype=tl.float32)
+    acc2_t = tl.zeros([BN, BMR], dtype=tl.float32)
     if FP4:
         G: tl.constexpr = BK // 32
         W: tl.constexpr = BK // 8
@@ -429,10 +434,19 @@ def _dot_rows(x_ptr, x_stride, rows, rm, w_ptr, s_ptr, e, rn, mn, KIN, w_e, w_n,
             for i in tl.static_range(8):
                 xi = tl.load(x_ptr + rows[:, None] * x_stride + kj[None, :] * 8 + i, mask=xm, other=0.0)
                 vi = tl.reshape((_dn(wd, i) * f).to(DT), [BN, W])
-                acc = tl.dot(xi, tl.trans(vi), acc, input_precision=PREC)
+                if TR:
+                    acc_t = tl.dot(vi, tl.trans(xi), acc_t, input_precision=PREC)
+                else:
+                    acc = tl.dot(xi, tl.trans(vi), acc, input_precision=PREC)
                 if TWO:
                     vi2 = tl.reshape((_dn(wd2, i) * f2).to(DT), [BN, W])
-                    acc2 = tl.dot(xi, tl.trans(vi2), acc2, input_precision=PREC)
+                    if TR:
+                        acc2_t = tl.dot(vi2, tl.trans(xi), acc2_t, input_precision=PREC)
+                    else:
+                        acc2 = tl.dot(xi, tl.trans(vi2), acc2, input_precision=PREC)
+        if TR:
+            acc = tl.trans(acc_t)
+            acc2 = tl.trans(acc2_t)
         acc = acc * DOT_SCALE
         acc2 = acc2 * DOT_SCALE
     else:
@@ -454,7 +468,7 @@ def _dot_rows(x_ptr, x_stride, rows, rm, w_ptr, s_ptr, e, rn, mn, KIN, w_e, w_n,
 def _moe_dot1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_ptr, h_ptr, out_ptr, P, DIN, I, TOPK,
                      z_stride, w_e, w_n, s_e, s_n, situ_beta, lin_beta, NZ, BN: tl.constexpr, BK: tl.constexpr,
                      FP4: tl.constexpr, SITU: tl.constexpr, HAS_LIN: tl.constexpr, PREC: tl.constexpr,
-                     ZB: tl.constexpr):
+                     ZB: tl.constexpr, BMR: tl.constexpr):
     """Gate/up GEMM over sorted blocks, persistent: work items (block, N tile) up to the device-side block
     count, so no program is launched for a block that does not exist (graph-safe: the grid is static).
     ZB > 0: the programs first zero the down GEMM's fp32 accumulator `out` (NZ = T x DOUT elements, ZB at a time,
@@ -468,11 +482,11 @@ def _moe_dot1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_pt
     for w in range(tl.program_id(0), nblk * NT, tl.num_programs(0)):
         blk = w % nblk
         nt = w // nblk
-        st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK)
+        st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK, BMR)
         rn = nt * BN + tl.arange(0, BN)
         mn = rn < I
         g, u = _dot_rows(z_ptr, z_stride, tok, rm, w_ptr, s_ptr, e, rn, mn, DIN, w_e, w_n, s_e, s_n, BN, BK, FP4,
-                         PREC, True, I)
+                         PREC, True, I, BMR)
         g, u = _gated_act(g, u, situ_beta, lin_beta, SITU, HAS_LIN)
         tl.store(h_ptr + r.to(tl.int64)[:, None] * I + rn[None, :], (g * u).to(h_ptr.dtype.element_ty),
                  mask=rm[:, None] & mn[None, :])
@@ -481,18 +495,18 @@ def _moe_dot1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_pt
 @triton.jit
 def _moe_dot2_kernel(h_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, P, I, DOUT,
                      TOPK, w_e, w_n, s_e, s_n, BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr,
-                     PREC: tl.constexpr):
+                     PREC: tl.constexpr, BMR: tl.constexpr):
     """Down GEMM + weighted combine (fp32 atomic adds) over sorted blocks, persistent like `_moe_dot1_kernel`."""
     NT = tl.cdiv(DOUT, BN)
     nblk = tl.load(nblk_ptr)
     for w in range(tl.program_id(0), nblk * NT, tl.num_programs(0)):
         blk = w % nblk
         nt = w // nblk
-        st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK)
+        st, e, r, rm, pair, tok = _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK, BMR)
         rn = nt * BN + tl.arange(0, BN)
         mn = rn < DOUT
         acc, _ = _dot_rows(h_ptr, I, r.to(tl.int64), rm, w_ptr, s_ptr, e, rn, mn, I, w_e, w_n, s_e, s_n, BN, BK,
-                           FP4, PREC, False, 0)
+                           FP4, PREC, False, 0, BMR)
         wt = tl.load(tw_ptr + pair, mask=rm, other=0.0).to(tl.float32)
         tl.atomic_add(out_ptr + tok[:, None] * DOUT + rn[None, :], acc * wt[:, None], mask=rm[:, None] & mn[None, :])
 
@@ -502,8 +516,8 @@ ROUTE_KERNEL = True
 (kernels/triton/moe_route.py) instead of PyTorch's sort/scan/scatter (False: always PyTorch, for comparisons)."""
 
 
-def route_blocks(topk_ids: torch.Tensor, E: int, count: bool = False):
-    """Sort routed pairs by expert and cut them into blocks of <= 16 pairs of one expert, on the device.
+def route_blocks(topk_ids: torch.Tensor, E: int, count: bool = False, bm: int = BM):
+    """Sort routed pairs by expert and cut them into blocks of <= `bm` pairs of one expert, on the device.
 
     Returns (sorted expert ids int32 [P] (invalid ids sorted last as E), pair order int32 [P] (pair = t*k + j),
     block starts int32 [P] (position of each block's first pair, -1 past the last block)); with count=True
@@ -512,7 +526,7 @@ def route_blocks(topk_ids: torch.Tensor, E: int, count: bool = False):
     """
     P = topk_ids.numel()
     if ROUTE_KERNEL and 1 <= P <= route_blocks_triton_max_pairs:
-        res = route_blocks_triton(topk_ids, E, BM)
+        res = route_blocks_triton(topk_ids, E, bm)
         return res if count else res[:3]
     dev = topk_ids.device
     ids = topk_ids.reshape(-1).to(torch.int64)
@@ -522,7 +536,7 @@ def route_blocks(topk_ids: torch.Tensor, E: int, count: bool = False):
     new = torch.ones(P, dtype=torch.bool, device=dev)
     new[1:] = sid[1:] != sid[:-1]
     first = torch.cummax(torch.where(new, pos, torch.zeros_like(pos)), 0).values
-    is_start = ((pos - first) % BM == 0) & (sid < E)
+    is_start = ((pos - first) % bm == 0) & (sid < E)
     bidx = torch.cumsum(is_start.to(torch.int64), 0) - 1
     starts = torch.full((P + 1,), -1, dtype=torch.int64, device=dev)
     starts.scatter_(0, torch.where(is_start, bidx, torch.full_like(bidx, P)), pos)
@@ -600,7 +614,8 @@ def _dot_path(zc, tw, topk_ids, E, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT
               num_stages, programs):
     P = T * TOPK
     dev = zc.device
-    sid, order, starts, nblk = route_blocks(topk_ids, E, count=True)
+    bm = dot_block_rows(P, E)
+    sid, order, starts, nblk = route_blocks(topk_ids, E, count=True, bm=bm)
     if fp4_1:
         W1 = _words(W1)
     if fp4_2:
@@ -615,14 +630,29 @@ def _dot_path(zc, tw, topk_ids, E, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT
     _moe_dot1_kernel[(min(P * triton.cdiv(I, bn1), cap),)](
         zc, sid, order, starts, nblk, W1, S1, h, out, P, DIN, I, TOPK, zc.stride(0), W1.stride(0), W1.stride(1),
         S1.stride(0) if fp4_1 else 0, S1.stride(1) if fp4_1 else 0, situ_beta, lin_beta, T * DOUT, BN=bn1, BK=bk1,
-        FP4=fp4_1, SITU=situ, HAS_LIN=has_lin, PREC=prec, ZB=zb, **_launch_opts(warps[0], num_stages),
+        FP4=fp4_1, SITU=situ, HAS_LIN=has_lin, PREC=prec, ZB=zb, BMR=bm, **_launch_opts(warps[0], num_stages),
     )
     _moe_dot2_kernel[(min(P * triton.cdiv(DOUT, bn2), cap),)](
         h, sid, order, starts, nblk, W2, S2, tw, out, P, I, DOUT, TOPK, W2.stride(0), W2.stride(1),
-        S2.stride(0) if fp4_2 else 0, S2.stride(1) if fp4_2 else 0, BN=bn2, BK=bk2, FP4=fp4_2, PREC=prec,
+        S2.stride(0) if fp4_2 else 0, S2.stride(1) if fp4_2 else 0, BN=bn2, BK=bk2, FP4=fp4_2, PREC=prec, BMR=bm,
         **_launch_opts(warps[1], num_stages),
     )
     return out.to(zc.dtype)
+
+
+DOT_BM_LARGE = 64
+"""Rows (routed pairs of one expert) per block of the "dot" path when the batch routes at least
+DOT_BM_MIN_PAIRS_PER_EXPERT pairs per expert on average (prefill): each block decodes its expert's MXFP4 tiles
+once for 64 rows instead of 16 (4x less decode work per pair), and its tl.dot has M = 64 (Hopper's wgmma takes
+M >= 64; at M = 16 Triton issues mma.sync). 16 (= BM): 16-row blocks at every size, as before session 8."""
+DOT_BM_MIN_PAIRS_PER_EXPERT = 32
+"""See DOT_BM_LARGE: below this many pairs per expert on average (decode batches, short prefills) most 64-row
+blocks would be mostly empty, so blocks stay at 16 rows."""
+
+
+def dot_block_rows(P: int, E: int) -> int:
+    """Rows per sorted block of the "dot" path for P routed pairs over E experts (see DOT_BM_LARGE)."""
+    return DOT_BM_LARGE if P >= DOT_BM_MIN_PAIRS_PER_EXPERT * E else BM
 
 
 VARIANTS = ("blocks", "gemv", "dot", "auto")

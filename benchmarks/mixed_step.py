@@ -1,0 +1,188 @@
+"""A mixed engine step (D decodes + one prefill chunk of C tokens) against its two parts, issue 19's last row.
+
+    python3 benchmarks/mixed_step.py                      # CUDA, `small` preset, bf16, D=8, C=2048
+    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/mixed_step.py --device cpu --preset tiny --chunk 64 --context 32
+
+One engine (`LLMEngine`, no prefix caching, a token budget of C + D so the chunk is scheduled whole) runs, per
+repeat, on fresh token ids:
+* decode part: D requests of --context prompt tokens prefilled, then one decode-only step of the D rows timed (on
+  CUDA the engine replays it from its captured graph, as every pure decode step);
+* mixed: a request of C prompt tokens added to those D decoding ones; the next step is D decode rows + the chunk
+  (the engine runs such steps eagerly: no graph covers mixed steps yet);
+* prefill part: the D requests aborted, a new request of C tokens alone; its first step is the chunk alone.
+Each step is timed twice: its wall time (a device sync before and after `step()`), and, in a second identical
+pass under torch.profiler, its kernels' time (the sum of the device kernels' durations on CUDA; on the CPU the
+profiler's self time of every op, a stand-in that only checks the script). Printed: per part the median over
+--repeats of wall and kernel µs, and the ratios mixed / (decode + prefill) of both. Issue 19's target: the mixed
+step's kernel time within 1.3x of the sum of its parts'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import print_table  # noqa: E402
+
+from k3serve.sampling_params import SamplingParams
+from k3serve.workers.llm import LLM
+from k3serve.workers.model.make_model import make_model
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _kernel_us(prof, device: str) -> float:
+    if device == "cuda":
+        return sum((getattr(ev, "device_time_total", None) or ev.cuda_time_total) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(ev.self_cpu_time_total for ev in prof.key_averages())
+
+
+class StepTimer:
+    """Times one `engine.step()`: wall µs, or (profiled) kernel µs; `self.last` = the profiled step's events."""
+
+    def __init__(self, eng, device: str, profiled: bool):
+        self.eng, self.device, self.profiled = eng, device, profiled
+        self.last = None
+
+    def __call__(self) -> float:
+        _sync(self.device)
+        if not self.profiled:
+            t0 = time.perf_counter()
+            self.eng.step()
+            _sync(self.device)
+            return (time.perf_counter() - t0) * 1e6
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CUDA] if self.device == "cuda" else [ProfilerActivity.CPU]
+        with profile(activities=acts) as prof:
+            self.eng.step()
+            _sync(self.device)
+        self.last = prof
+        return _kernel_us(prof, self.device)
+
+
+def print_top(name: str, prof, device: str, top: int) -> None:
+    """The `top` kernels of one profiled step by time (CUDA), or ops by self time (CPU)."""
+    per: dict[str, list[float]] = {}
+    if device == "cuda":
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                e = per.setdefault(ev.name, [0.0, 0])
+                e[0] += getattr(ev, "device_time_total", None) or ev.cuda_time_total
+                e[1] += 1
+    else:
+        for ev in prof.key_averages():
+            per[ev.key] = [ev.self_cpu_time_total, ev.count]
+    print(f"# {name}: top {top} of {sum(c for _, c in per.values())} kernels")
+    for k, (t, c) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"#   {t:9.1f} µs  x{c:4d}  {k[:110]}")
+
+
+def one_round(eng, rng: random.Random, vocab: int, D: int, C: int, ctx: int, timer: StepTimer,
+              top: int = 0) -> dict[str, float]:
+    """The three steps of one repeat (see the module docstring) on fresh ids; returns {part: µs}; `top` > 0 prints
+    each profiled step's top kernels."""
+    def ids(n):
+        return [rng.randrange(10, vocab) for _ in range(n)]
+
+    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    dec = [eng.next_request_id() for _ in range(D)]
+    for r in dec:
+        eng.add_request(r, ids(ctx), sp.clone())
+    reqs = eng.scheduler.requests
+    while any(not reqs[r].output_token_ids for r in dec):  # the prefills (in chunks of the token budget)
+        eng.step()
+    for _ in range(2):  # two plain decode steps: no first-step effects in the timed one
+        eng.step()
+    out = {"decode": timer()}
+    tops = {"decode": timer.last}
+    big = eng.next_request_id()
+    eng.add_request(big, ids(C), sp.clone())
+    before = eng.get_num_unfinished_requests()
+    out["mixed"] = timer()
+    tops["mixed"] = timer.last
+    if eng.get_num_unfinished_requests() != before:
+        raise RuntimeError("a request finished during the mixed step: raise max_tokens")
+    eng.abort_request(dec + [big])
+    solo = eng.next_request_id()
+    eng.add_request(solo, ids(C), sp.clone())
+    out["prefill"] = timer()
+    tops["prefill"] = timer.last
+    if top and timer.profiled:
+        for part in ("decode", "prefill", "mixed"):
+            print_top(f"{part} step, {out[part]:.0f} µs", tops[part], timer.device, top)
+    eng.abort_request([solo])
+    while eng.has_unfinished_requests():
+        eng.step()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--preset", choices=("small", "tiny"), default="small")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--decodes", type=int, default=8, help="decode rows D")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk C (one request's whole prompt)")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding request")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--moe", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="set kernels/triton/moe.py constants first (e.g. DOT_BM_LARGE=16), ints where they parse")
+    ap.add_argument("--top", type=int, default=0, help="print the top N kernels of each step of the last repeat")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("mixed_step: no CUDA device here; pass --device cpu", file=sys.stderr)
+        return 2
+    if min(args.decodes, args.chunk, args.context, args.repeats) < 1:
+        ap.error("--decodes, --chunk, --context and --repeats must be >= 1")
+    if args.moe:
+        from k3serve.kernels.triton import moe
+
+        for item in args.moe:
+            name, _, value = item.partition("=")
+            if not hasattr(moe, name):
+                ap.error(f"--moe: kernels/triton/moe.py has no {name!r}")
+            setattr(moe, name, int(value) if value.lstrip("-").isdigit() else value)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    with tempfile.TemporaryDirectory() as d:
+        cfg = make_model(d, args.preset, device=args.device)
+        llm = LLM(d, device=args.device, dtype=dtype, max_num_seqs=args.decodes + 1,
+                  max_model_len=max(args.chunk, args.context) + 80, max_num_batched_tokens=args.chunk + args.decodes,
+                  enable_prefix_caching=False, skip_tokenizer_init=True)
+        eng = llm.engine
+        rng = random.Random(args.seed)
+        one_round(eng, rng, cfg.vocab_size, args.decodes, args.chunk, args.context,
+                  StepTimer(eng, args.device, False))  # warm-up: compiles, the decode graph's capture
+        res = {}
+        for profiled in (False, True):
+            timer = StepTimer(eng, args.device, profiled)
+            runs = [one_round(eng, rng, cfg.vocab_size, args.decodes, args.chunk, args.context, timer,
+                              args.top if i == args.repeats - 1 else 0) for i in range(args.repeats)]
+            res["kernels" if profiled else "wall"] = {p: statistics.median(r[p] for r in runs) for p in runs[0]}
+    what = "kernels" if args.device == "cuda" else "op self time (CPU stand-in)"
+    print(f"# {args.preset} preset, {args.device}, {dtype}: {args.decodes} decodes of {args.context}-token prompts + "
+          f"one {args.chunk}-token prefill chunk; median of {args.repeats}")
+    rows = []
+    for key, label in (("wall", "wall"), ("kernels", what)):
+        r = res[key]
+        rows.append([label, f"{r['decode']:.0f}", f"{r['prefill']:.0f}", f"{r['mixed']:.0f}",
+                     f"{r['mixed'] / (r['decode'] + r['prefill']):.3f}"])
+    print_table(["measure", "decode part µs", "prefill part µs", "mixed µs", "mixed / (decode + prefill)"], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
