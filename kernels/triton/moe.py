@@ -640,11 +640,13 @@ def _dot_path(zc, tw, topk_ids, E, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT
     return out.to(zc.dtype)
 
 
-DOT_BM_LARGE = 64
+DOT_BM_LARGE = 16
 """Rows (routed pairs of one expert) per block of the "dot" path when the batch routes at least
-DOT_BM_MIN_PAIRS_PER_EXPERT pairs per expert on average (prefill): each block decodes its expert's MXFP4 tiles
-once for 64 rows instead of 16 (4x less decode work per pair), and its tl.dot has M = 64 (Hopper's wgmma takes
-M >= 64; at M = 16 Triton issues mma.sync). 16 (= BM): 16-row blocks at every size, as before session 8."""
+DOT_BM_MIN_PAIRS_PER_EXPERT pairs per expert on average (prefill). 64: each block decodes its expert's MXFP4 tiles
+once for 64 rows instead of 16 and its tl.dot has M = 64 (wgmma on sm_90) -- but on the H200 (session 8,
+benchmarks/mixed_step.py --moe DOT_BM_LARGE=64, small preset, 2K prefill chunk) the MoE kernels got slower,
+dot1 27.8 -> 36.3 ms and dot2 11.6 -> 17.0 ms per step (218/227 registers: low occupancy), so the default stays
+16 (= BM, 16-row blocks at every size); 64 is kept as a tested knob for the next tile/warp sweep."""
 DOT_BM_MIN_PAIRS_PER_EXPERT = 32
 """See DOT_BM_LARGE: below this many pairs per expert on average (decode batches, short prefills) most 64-row
 blocks would be mostly empty, so blocks stay at 16 rows."""
