@@ -56,6 +56,17 @@ CONFIGS = [
     ("dot programs=8/SM", dict(variant="dot", programs=-8)),
     ("dot bn2=64 warps=8", dict(variant="dot", bn2=64, num_warps=8)),
     ("auto", dict(variant="auto")),
+    # prefill-sized batches (--T 512 2048): the experts decoded once into bf16, then the "dot" kernels on them
+    ("dense (defaults)", dict(variant="dense")),
+    ("dense bn1=128 bn2=128", dict(variant="dense", bn1=128, bn2=128)),
+    ("dense bk1=128 bk2=128", dict(variant="dense", bk1=128, bk2=128)),
+    ("dense warps=4", dict(variant="dense", num_warps=4)),
+    ("dense warps=8 bn2=128", dict(variant="dense", num_warps=8, bn2=128)),
+    ("dense DENSE_BM=128", dict(variant="dense", _globals=dict(DENSE_BM=128))),
+    ("dense DENSE_BM=128 warps=8", dict(variant="dense", num_warps=8, _globals=dict(DENSE_BM=128))),
+    ("dense programs=8/SM", dict(variant="dense", programs=-8)),
+    ("dense programs=2/SM", dict(variant="dense", programs=-2)),
+    ("dot DOT_BM_LARGE=64", dict(variant="dot", _globals=dict(DOT_BM_LARGE=64))),
 ]
 
 
@@ -124,12 +135,15 @@ def run_shape(name, Ts, bw, deadline, rows, profile):
         route_rows(name, T, k, E, ids, rows)
         for label, knobs in CONFIGS:
             path, pairs = knobs.get("variant"), T * k
-            if (path == "gemv" and pairs > moe.AUTO_GEMV_MAX_PAIRS) or (path == "dot" and pairs < 64):
+            if ((path == "gemv" and pairs > moe.AUTO_GEMV_MAX_PAIRS) or (path == "dot" and pairs < 64)
+                    or (path == "dense" and pairs < 16 * E)):
                 continue
             if time.time() > deadline:
                 print(f"#   {label}: skipped (budget)", flush=True)
                 continue
             kn = dict(knobs)
+            glob = kn.pop("_globals", {})
+            saved = {a: getattr(moe, a) for a in glob}
             if kn.get("programs", 0) < 0:
                 kn["programs"] = -kn["programs"] * torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -137,6 +151,8 @@ def run_shape(name, Ts, bw, deadline, rows, profile):
                 return moe_experts_triton(z, tw, ids, **wkw, **kn)
 
             try:
+                for a, v in glob.items():
+                    setattr(moe, a, v)
                 out = fn()
                 torch.cuda.synchronize()
                 err = float((out.double() - ref).norm() / ref.norm())
@@ -146,11 +162,16 @@ def run_shape(name, Ts, bw, deadline, rows, profile):
             except Exception as e:  # noqa: BLE001
                 print(f"#   {label}: FAILED {e!r}"[:300], flush=True)
                 continue
+            finally:
+                for a, v in saved.items():
+                    setattr(moe, a, v)
             pct = 100 * floor / t_graph if t_graph == t_graph else float("nan")
+            valid = int((ids >= 0).sum())
+            tflops = 2 * valid * (2 * I * DIN + DOUT * I) / (t_graph * 1e-6) / 1e12
             rows.append([name, T, n_act, label, round(t_eager, 1), round(t_graph, 1), round(floor, 1),
                          round(pct, 1), f"{err:.1e}"])
             print(f"#   {label}: eager {t_eager:.1f} us, graph {t_graph:.1f} us ({pct:.0f}% of copy bw), "
-                  f"rel_err {err:.1e}", flush=True)
+                  f"{tflops:.1f} TFLOP/s, rel_err {err:.1e}", flush=True)
             if profile and T == Ts[0]:
                 kernel_breakdown(f"{shape} {label}", fn, reps=5, top=8)
 

@@ -17,9 +17,9 @@ For every batch size, the same mixed-length prompts (lengths uniform in [--min-l
   continuous batching, chunked prefill, `max_num_seqs` = the batch); `--max-num-batched-tokens N M ...` gives
   one engine row per token budget against the same transformers timing (default: the engine's own default).
 
-Each side is warmed up once on a batch of the timed one's size and length range with 3 new tokens (so Triton's compiles and autotuning for
-its shapes and the engine's CUDA-graph capture for its batch size happen before the clock; a warm-up on a small
-batch left them inside the first timed run), then timed `--repeats` times alternately (the best time
+Each side is warmed up once on prompts of the timed ones' lengths (other token ids) with up to 16 new tokens, so
+Triton's compiles and autotuning for its shapes and the engine's CUDA-graph captures for its decode batch sizes
+happen before the clock (a warm-up on a smaller batch left them inside the first timed run), then timed `--repeats` times alternately (the best time
 counts, so a noisy neighbour hurts neither side more). Printed per batch size: both sides' generated
 tokens/s (end to end, prefill included, wall clock), their ratio, the ratio of the process CPU time the two
 spent (on a shared CPU with `--threads 1` the steadier figure: time spent waiting for a core is not in
@@ -123,6 +123,26 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+WARM_NEW = 16  # warm-up tokens: enough decode steps for the whole batch to decode together once
+
+
+def other_ids(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of the same lengths as `prompts` with other token ids."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in p] for p in prompts]
+
+
+def engine_counts(llm) -> dict[str, int]:
+    """The engine's counters a timed run should not move much: steps, replayed (fixed-shape) decode steps,
+    CUDA graphs captured, preemptions."""
+    eng = llm.engine
+    runner = getattr(eng, "runner", None)
+    return {"steps": getattr(eng, "num_steps", 0),
+            "fixed-shape decode steps": getattr(runner, "num_static_decode_steps", 0),
+            "graphs captured": len(getattr(runner, "graphs", ()) or ()),
+            "preemptions": eng.scheduler.num_preemptions}
+
+
 def hf_generate(model, prompts: list[list[int]], new: int, device: str) -> list[list[int]]:
     """One batched greedy generate, left-padded (pad id 0, masked), with transformers' caches."""
     width = max(len(p) for p in prompts)
@@ -219,10 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         prompts = make_prompts(n, lo, hi, vocab, args.seed + n)
         llms = [LLM(model_dir, device=args.device, dtype=dtype_name, max_num_seqs=n, max_model_len=max_len,
                     skip_tokenizer_init=True, max_num_batched_tokens=b) for b in budgets]
-        warm = make_prompts(n, lo, hi, vocab, args.seed + 1000 + n)  # the timed batch's shape, other ids
-        hf_generate(hf, warm, 3, args.device)
+        # the timed batch's lengths with other ids: the same chunk plan and decode batch sizes, so every
+        # Triton specialization and CUDA graph the timed run needs is made before the clock
+        warm = other_ids(prompts, vocab, args.seed + 1000 + n)
+        hf_generate(hf, warm, min(new, WARM_NEW), args.device)
         for llm in llms:
-            engine_generate(llm, warm, 3)
+            engine_generate(llm, warm, min(new, WARM_NEW))
+        before = [engine_counts(llm) for llm in llms]
         t_hf, c_hf = [], []
         t_en, c_en, got = [[] for _ in llms], [[] for _ in llms], [None] * len(llms)
         for _ in range(args.repeats):
@@ -246,8 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([n, sum(map(len, prompts)), llm.engine.args.max_num_batched_tokens, tok / min(t_hf),
                          tok / min(t_en[j]), min(t_hf) / min(t_en[j]), min(c_hf) / min(c_en[j]), f"{agree}/{n}"])
             print(f"# {n} prompts, budget {rows[-1][2]}: transformers {rows[-1][3]:.1f} tok/s, engine "
-                  f"{rows[-1][4]:.1f} tok/s, ratio {rows[-1][5]:.3f}, agree {agree}/{n}", flush=True)  # kept if cut
-        del llms
+                  f"{rows[-1][4]:.1f} tok/s, ratio {rows[-1][5]:.3f}, agree {agree}/{n}; engine per timed run: "
+                  + ", ".join(f"{k} {(v - before[j][k]) / args.repeats:g}" for k, v in engine_counts(llm).items()),
+                  flush=True)  # kept if cut
+        del llms, llm  # the loop variable held the last engine (and its KV cache) into the next batch size
+        if gpu:
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
     print_table(["prompts", "prompt tokens", "engine budget", "transformers tok/s", "engine tok/s", "ratio",
                  "CPU-time ratio", "greedy agree"], rows)
     if bad:

@@ -260,3 +260,58 @@ def test_dot_large_blocks_compile_for_sm90():
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("_moe_dot")]
     assert len(lines) == 2 and all("'BMR': 64" in ln for ln in lines), r.stdout
     assert all(" spills=0 " in ln and "wgmma=True" in ln for ln in lines), r.stdout
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 96), (2, 5, 32), (1, 17, 544)])
+def test_mxfp4_to_dense_is_the_decode(shape):
+    """`moe.mxfp4_to_dense` (one Triton pass) == the reference dequantization, every value, in bf16 and fp32,
+    at K not a multiple of the kernel's column tile; a scale byte of 0 decodes to 0 as in the fused kernels."""
+    g = torch.Generator().manual_seed(sum(shape))
+    w = torch.randn(*shape, generator=g) * 3
+    packed, scale = mxfp4_quantize(w)
+    scale[0, 0, 0] = 0
+    want = mxfp4_dequantize(packed, scale)
+    want[0, 0, :32] = 0
+    for dt in (torch.float32, torch.bfloat16):
+        got = moe.mxfp4_to_dense(packed, scale, dt)
+        assert got.dtype == dt and got.shape == w.shape
+        assert torch.equal(got.float(), want.to(dt).float())
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act,lin", [("situ", 25.0), ("silu", None)])
+def test_dense_variant(monkeypatch, dt, act, lin):
+    """The "dense" variant (experts decoded once, then the "dot" kernels on 16-bit weights with 64-row blocks):
+    equal to the reference and to the MXFP4 "dot" path, blocks spanning several 64-row tiles and a partial one,
+    some pairs invalid; "auto" takes it from DENSE_MIN_PAIRS_PER_EXPERT pairs per expert in 16-bit only."""
+    T, E, k = 150, 4, 2
+    z, tw, ids, kw = _case(T, E, k, 96, 64, 72, (True, True), seed=5)
+    ids[::5, 1] = -1
+    dense = _check(z, tw, ids, kw, dt, act, lin, dict(variant="dense"))
+    dot = _check(z, tw, ids, kw, dt, act, lin, dict(variant="dot"))
+    assert abs(dense - dot) < (1e-5 if dt == torch.float32 else 2e-2)
+    seen = []
+    real = moe._dot_path
+    monkeypatch.setattr(moe, "_dot_path", lambda *a, **kw_: seen.append((a[6], kw_.get("bm"))) or real(*a, **kw_))
+    monkeypatch.setattr(moe, "DENSE_MIN_PAIRS_PER_EXPERT", 64)  # 300 pairs over 4 experts: 75 per expert
+    _check(z, tw, ids, kw, dt, act, lin, dict(variant="auto"))
+    assert seen[-1] == ((False, 64) if dt == torch.bfloat16 else (True, None))  # fp32 keeps the MXFP4 "dot"
+    monkeypatch.setattr(moe, "DENSE_MIN_PAIRS_PER_EXPERT", 76)
+    _check(z, tw, ids, kw, dt, act, lin, dict(variant="auto"))
+    assert seen[-1] == (True, None)
+
+
+def test_dense_variant_thresholds(monkeypatch):
+    """`takes_dense`: prefill-sized 16-bit batches with MXFP4 weights only, and not above DENSE_MAX_BYTES."""
+    E = 64
+    n = moe.DENSE_MIN_PAIRS_PER_EXPERT * E
+    assert moe.takes_dense(n, E, True, torch.bfloat16, 10**6)
+    assert not moe.takes_dense(n - 1, E, True, torch.bfloat16, 10**6)
+    assert not moe.takes_dense(n, E, False, torch.bfloat16, 10**6)
+    assert not moe.takes_dense(n, E, True, torch.float32, 10**6)
+    assert not moe.takes_dense(n, E, True, torch.bfloat16, moe.DENSE_MAX_BYTES // 2 + 1)
+    monkeypatch.setattr(moe, "DENSE_MIN_PAIRS_PER_EXPERT", 0)
+    assert not moe.takes_dense(10**6, E, True, torch.bfloat16, 10**6)
+    with pytest.raises(ValueError, match="dense"):
+        z, tw, ids, kw = _case(4, 4, 2, 64, 32, 32, (False, False), seed=1)
+        moe_experts_triton(z, tw, ids, variant="dense", **kw)

@@ -141,6 +141,20 @@ def _fp4_tile(w_ptr, s_ptr, e, rn, kh, mask, w_e, w_n, s_e, s_n, DT: tl.constexp
 
 
 @triton.jit
+def _mxfp4_to_dense_kernel(w_ptr, s_ptr, out_ptr, R, KH, BR: tl.constexpr, BKH: tl.constexpr):
+    """Rows [BR] x packed columns [BKH] of MXFP4 weights (flattened to R rows of KH bytes) -> 2*BKH values per
+    row of the 16-bit `out` [R, 2*KH], the same values the fused kernels decode (`_fp4_tile`)."""
+    rn = tl.program_id(0) * BR + tl.arange(0, BR)
+    kh = tl.program_id(1) * BKH + tl.arange(0, BKH)
+    m = (rn < R)[:, None] & (kh < KH)[None, :]
+    lo, hi = _fp4_tile(w_ptr, s_ptr, 0, rn.to(tl.int64), kh, m, 0, KH, 0, KH // 16, out_ptr.dtype.element_ty)
+    v = tl.reshape(tl.join(lo, hi), [BR, 2 * BKH])  # element 2j (low nibble) then 2j+1 (high)
+    kk = tl.program_id(1) * 2 * BKH + tl.arange(0, 2 * BKH)
+    tl.store(out_ptr + rn.to(tl.int64)[:, None] * (2 * KH) + kk[None, :], v,
+             mask=(rn < R)[:, None] & (kk < 2 * KH)[None, :])
+
+
+@triton.jit
 def _block_rows(sid_ptr, order_ptr, start_ptr, blk, P, TOPK, BMR: tl.constexpr):
     st = tl.load(start_ptr + blk)
     st_c = tl.maximum(st, 0)
@@ -611,10 +625,10 @@ def _num_sms(dev) -> int:
 
 
 def _dot_path(zc, tw, topk_ids, E, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, TOPK, act_args, tiles, warps,
-              num_stages, programs):
+              num_stages, programs, bm=None):
     P = T * TOPK
     dev = zc.device
-    bm = dot_block_rows(P, E)
+    bm = bm or dot_block_rows(P, E)
     sid, order, starts, nblk = route_blocks(topk_ids, E, count=True, bm=bm)
     if fp4_1:
         W1 = _words(W1)
@@ -657,7 +671,39 @@ def dot_block_rows(P: int, E: int) -> int:
     return DOT_BM_LARGE if P >= DOT_BM_MIN_PAIRS_PER_EXPERT * E else BM
 
 
-VARIANTS = ("blocks", "gemv", "dot", "auto")
+DENSE_MIN_PAIRS_PER_EXPERT = 64
+"""variant="auto" with MXFP4 weights and 16-bit activations: from this many routed pairs per expert on average
+(prefill chunks: 512 tokens of the small preset) the experts are decoded ONCE into 16-bit weights
+(`mxfp4_to_dense`, one pass over them) and the "dot" kernels run on those with DENSE_BM-row blocks ("dense"
+variant), instead of every 16-row block decoding its expert's MXFP4 tiles again. 0 turns it off."""
+DENSE_BM = 64
+"""Rows (routed pairs of one expert) per sorted block of the "dense" variant."""
+DENSE_TILES = ((64, 64, 64, 64), (8, 4))
+"""The "dense" variant's tiles (gate/up rows, K; down rows, K) and warps (gate/up, down) where no knob is given."""
+DENSE_MAX_BYTES = 4 << 30
+"""The "dense" variant's scratch (all experts' 16-bit weights) is at most this many bytes; above it "auto" keeps
+the MXFP4 "dot" path (the K3 shape at full size would need 7.4 GB per layer)."""
+
+
+def mxfp4_to_dense(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16, out=None) -> torch.Tensor:
+    """Packed MXFP4 uint8 [..., N, K/2] + scale bytes [..., N, K/32] -> `dtype` [..., N, K] on the device, one
+    Triton pass (the values `_fp4_tile` decodes: a scale byte of 0 gives 0)."""
+    *lead, N, KH = packed.shape
+    R = packed.numel() // KH
+    out = torch.empty(*lead, N, 2 * KH, dtype=dtype, device=packed.device) if out is None else out
+    BR, BKH = 16, min(256, next_pow2(KH))
+    _mxfp4_to_dense_kernel[(triton.cdiv(R, BR), triton.cdiv(KH, BKH))](packed.contiguous(), scale.contiguous(), out,
+                                                                      R, KH, BR=BR, BKH=BKH, num_warps=4)
+    return out
+
+
+def takes_dense(P: int, E: int, fp4: bool, dtype, weight_elems: int) -> bool:
+    """variant="auto": whether a batch of P routed pairs over E experts takes the "dense" variant."""
+    return (fp4 and DENSE_MIN_PAIRS_PER_EXPERT > 0 and P >= DENSE_MIN_PAIRS_PER_EXPERT * E
+            and dtype in (torch.bfloat16, torch.float16) and 2 * weight_elems <= DENSE_MAX_BYTES)
+
+
+VARIANTS = ("blocks", "gemv", "dot", "dense", "auto")
 DEFAULT_VARIANT = "auto"  # H200 sweep: T=1 38 µs vs blocks 251, T=8 165 vs 1021, T=64 764 vs 3309
 """What `moe_experts_triton` runs when no variant is given (the lead flips this after measuring)."""
 AUTO_GEMV_MAX_PAIRS = 128
@@ -725,7 +771,9 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     Tuning knobs (None = the defaults): `variant` (default DEFAULT_VARIANT) "blocks" (sorted blocks of <= 16
     pairs of one expert, tl.dot), "gemv" (decode path: one routed pair per program, no sorting, fp32 FMAs on
     a lean MXFP4 decode), "dot" (sorted blocks like "blocks", lean MXFP4 decode into tl.dot, persistent
-    programs over the device-side block count) or "auto" (by T * topk, see AUTO_GEMV_MAX_PAIRS);
+    programs over the device-side block count), "dense" (MXFP4 experts decoded once into 16-bit weights, then the
+    "dot" kernels on those with DENSE_BM-row blocks: prefill chunks) or "auto" (by T * topk, see
+    AUTO_GEMV_MAX_PAIRS and DENSE_MIN_PAIRS_PER_EXPERT);
     bn1/bk1 (gate/up tile: rows of I, K over DIN), bn2/bk2 (down tile: rows of DOUT, K over I); num_warps (an
     int, or a pair for the two kernels); num_stages; `combine` ("gemv", default GEMV_COMBINE): "atomic" (fp32
     atomic adds, one program per pair), "loop" (one program per token sums its pairs: no atomics, no zero fill,
@@ -757,7 +805,20 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     act_args = (float(4.0 if situ_beta is None else situ_beta), float(situ_linear_beta or 1.0),
                 activation == "situ", situ_linear_beta is not None)
     if variant == "auto":
-        variant = "gemv" if P <= AUTO_GEMV_MAX_PAIRS else "dot"
+        dense = takes_dense(P, E, fp4_1 and fp4_2, zc.dtype, W1.numel() * 2 + W2.numel() * 2)
+        variant = "gemv" if P <= AUTO_GEMV_MAX_PAIRS else ("dense" if dense else "dot")
+    if variant == "dense":
+        if not (fp4_1 and fp4_2):
+            raise ValueError('variant="dense": needs MXFP4 weights (dense weights take "dot")')
+        dt = zc.dtype if zc.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        D1, D2 = mxfp4_to_dense(W1, S1, dt), mxfp4_to_dense(W2, S2, dt)
+        t0, w0 = DENSE_TILES
+        warps = tuple(num_warps) if isinstance(num_warps, (tuple, list)) else (
+            (num_warps, num_warps) if num_warps else w0)
+        tiles = (bn1 or t0[0], bk1 or min(t0[1], max(16, next_pow2(DIN))), bn2 or t0[2],
+                 bk2 or min(t0[3], max(16, next_pow2(I))))
+        return _dot_path(zc, tw, topk_ids, E, D1, D1, False, D2, D2, False, T, DIN, I, DOUT, TOPK, act_args, tiles,
+                         warps, num_stages, programs, bm=DENSE_BM)
     if variant in ("gemv", "dot"):
         per_token = combine != "atomic"
         tiles, warps = _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps,
