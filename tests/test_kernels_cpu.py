@@ -131,6 +131,39 @@ def test_kda_decode_equals_reference(seed, dtype, no_fallback):
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 @pytest.mark.parametrize("seed", range(4))
+def test_kda_decode_consecutive_slots_in_place(seed, dtype, monkeypatch):
+    """Consecutive ascending slots (`_slot_range`): the pools are updated in place through a view (no gather or
+    scatter: index_select / index_copy_ must not run), some rows starting fresh; == the reference, outputs and
+    every pool row (the untouched rows too)."""
+    rng = random.Random(100 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    N, h, K, V, W = rng.randint(1, 9), rng.choice([1, 2, 4]), rng.choice([4, 8]), rng.choice([4, 8]), 4
+    C, a = 2 * h * K + h * V, rng.randint(0, 3)
+    args = dict(
+        qkv=torch.randn(N, C, generator=gen, dtype=F64), conv_weight=torch.randn(C, 1, W, generator=gen, dtype=F64),
+        conv_states=torch.randn(N + 5, C, W - 1, generator=gen, dtype=F64),
+        raw_g=torch.randn(N, h, K, generator=gen, dtype=F64), A_log=torch.randn(h, generator=gen, dtype=F64),
+        dt_bias=torch.randn(h * K, generator=gen, dtype=F64), beta_logit=torch.randn(N, h, generator=gen, dtype=F64),
+        gate=torch.randn(N, h * V, generator=gen, dtype=F64), o_norm_weight=torch.randn(V, generator=gen, dtype=F64),
+        state_pool=torch.randn(N + 5, h, V, K, generator=gen, dtype=F64))
+    args = {n: x.to(dtype) for n, x in args.items()}
+    idx = torch.arange(a, a + N)
+    assert cpu.kda._slot_range(idx) == slice(a, a + N)
+    assert cpu.kda._slot_range(torch.tensor([a, a + 2])) is None and cpu.kda._slot_range(torch.tensor([3, 2])) is None
+    init = torch.tensor([seed == 0 or rng.random() < 0.6 for _ in range(N)])
+    ref_args = {n: (x.clone() if n in ("conv_states", "state_pool") else x) for n, x in args.items()}
+    want = reference.kda_decode(**ref_args, state_indices=idx, has_initial_state=init, lower_bound=-5.0, eps=1e-6)
+    for name in ("index_select", "index_copy_"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a_, **k_: pytest.fail("gathered or scattered"))
+    got = cpu.kda_decode(**args, state_indices=idx, has_initial_state=init, lower_bound=-5.0, eps=1e-6)
+    monkeypatch.undo()
+    _close(got, want, dtype)
+    _close(args["state_pool"], ref_args["state_pool"], dtype)
+    _close(args["conv_states"], ref_args["conv_states"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("seed", range(4))
 def test_causal_conv1d_equals_reference(seed, dtype, monkeypatch):
     monkeypatch.setattr(cpu.conv, "_reference", lambda *a, **k: pytest.fail("fell back to the reference op"))
     rng = random.Random(seed)

@@ -37,6 +37,10 @@ FACTOR_LIMIT = {torch.float32: 60.0, torch.float64: 600.0}
 """Largest |G_t - G_m| within a chunk for which the factorised form is used: e^{±60} ~ 1e±26 (float32),
 e^{±600} ~ 1e±260 (float64) are finite and normal, so the two factors multiply back exactly."""
 
+CONTIGUOUS_IN_PLACE = True
+"""`kda_decode`: consecutive ascending state slots are updated in place through a view of the pools (no gather
+and scatter of the states and conv histories); False always gathers (benchmarks, tests)."""
+
 CHUNK = 16
 """Chunk length: short chunks keep the intra-chunk products cheap (C·K per token and head) and the gate
 range inside a chunk small; the chunk recurrence is a handful of batched ops per chunk index."""
@@ -45,6 +49,13 @@ range inside a chunk small; the chunk recurrence is a handful of batched ops per
 def _unique(idx: torch.Tensor) -> bool:
     ids = idx.tolist()
     return len(set(ids)) == len(ids)
+
+
+def _slot_range(idx: torch.Tensor) -> slice | None:
+    """The slots as a slice when they are consecutive and ascending (a batch admitted together usually is), so
+    the pool rows are updated in place through a view instead of gathered and scattered back; else None."""
+    ids = idx.tolist()
+    return slice(ids[0], ids[0] + len(ids)) if ids and ids == list(range(ids[0], ids[0] + len(ids))) else None
 
 
 def kda_decode(
@@ -91,26 +102,36 @@ def kda_decode(
     init = (torch.zeros(N, dtype=torch.bool) if has_initial_state is None
             else has_initial_state.to(torch.bool).reshape(N))
     all_init = bool(init.all())
-    hist = conv_states.index_select(0, idx)  # [N, C, W-1]
+    rng = _slot_range(idx) if CONTIGUOUS_IN_PLACE else None
+    hist = conv_states[rng] if rng is not None else conv_states.index_select(0, idx)  # [N, C, W-1]
     if not all_init:
         hist = torch.where(init[:, None, None], hist, 0)
     full = torch.cat([hist, qkv[:, :, None]], dim=2)  # [N, C, W]
     y = F.silu((full * w.to(dt)).sum(-1))
-    conv_states.index_copy_(0, idx, full[:, :, 1:])
+    if rng is not None:
+        conv_states[rng] = full[:, :, 1:]
+    else:
+        conv_states.index_copy_(0, idx, full[:, :, 1:])
     g = kda_gate(raw_g, A_log, dt_bias, lower_bound)
     beta = torch.sigmoid(beta_logit.to(dt))
     sc = K ** -0.5 if scale is None else scale
     q = l2_normalize(y[:, :P].reshape(N, h, K), 1e-6) * sc
     k = l2_normalize(y[:, P:2 * P].reshape(N, h, K), 1e-6)
     v = y[:, 2 * P:].reshape(N, h, V)
-    S = state_pool.index_select(0, idx)  # [N, h, V, K]
-    if not all_init:
-        S = torch.where(init[:, None, None, None], S, 0)
+    if rng is not None:  # a view of the pool rows: updated in place, nothing gathered or scattered
+        S = state_pool[rng]
+        if not all_init:
+            S[~init] = 0
+    else:
+        S = state_pool.index_select(0, idx)  # [N, h, V, K]
+        if not all_init:
+            S = torch.where(init[:, None, None, None], S, 0)
     # matrix-vector products as multiply + row sums: a batched GEMM with one column is ~3x slower here
     S = S.mul_(torch.exp(g)[:, :, None, :])
     u = beta[:, :, None] * (v - (S * k[:, :, None, :]).sum(-1))
     S.add_(u[:, :, :, None] * k[:, :, None, :])  # S + u kᵀ, in place
-    state_pool.index_copy_(0, idx, S)
+    if rng is None:
+        state_pool.index_copy_(0, idx, S)
     o = (S * q[:, :, None, :]).sum(-1)
     return (rms_norm(o, o_norm_weight.to(dt), eps) * torch.sigmoid(gate.reshape(N, h, V).to(dt))).to(qkv.dtype)
 
