@@ -101,16 +101,9 @@ def test_kda_chunked_strong_decay_chunks_go_pairwise_and_stay_finite(no_fallback
     _close(p_cpu, p_ref, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [F64, torch.float32])
-@pytest.mark.parametrize("seed", range(4))
-def test_kda_decode_equals_reference(seed, dtype, no_fallback):
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    N, h, K, V, W = rng.randint(1, 9), rng.choice([1, 2, 4]), rng.choice([4, 8]), rng.choice([4, 8]), 4
+def _decode_args(gen, N, h, K, V, W, dtype):
+    """kda_decode's tensor arguments for N rows over pools of N + 5 slots."""
     C = 2 * h * K + h * V
-    slots = rng.sample(range(N + 5), N)
-    if N > 1:
-        slots[rng.randrange(N)] = -1
     args = dict(
         qkv=torch.randn(N, C, generator=gen, dtype=F64), conv_weight=torch.randn(C, 1, W, generator=gen, dtype=F64),
         conv_states=torch.randn(N + 5, C, W - 1, generator=gen, dtype=F64),
@@ -118,7 +111,19 @@ def test_kda_decode_equals_reference(seed, dtype, no_fallback):
         dt_bias=torch.randn(h * K, generator=gen, dtype=F64), beta_logit=torch.randn(N, h, generator=gen, dtype=F64),
         gate=torch.randn(N, h * V, generator=gen, dtype=F64), o_norm_weight=torch.randn(V, generator=gen, dtype=F64),
         state_pool=torch.randn(N + 5, h, V, K, generator=gen, dtype=F64))
-    args = {n: x.to(dtype) for n, x in args.items()}
+    return {n: x.to(dtype) for n, x in args.items()}
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("seed", range(4))
+def test_kda_decode_equals_reference(seed, dtype, no_fallback):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    N, h, K, V, W = rng.randint(1, 9), rng.choice([1, 2, 4]), rng.choice([4, 8]), rng.choice([4, 8]), 4
+    slots = rng.sample(range(N + 5), N)
+    if N > 1:
+        slots[rng.randrange(N)] = -1
+    args = _decode_args(gen, N, h, K, V, W, dtype)
     idx = torch.tensor(slots)
     init = torch.tensor([seed == 0 or rng.random() < 0.7 for _ in range(N)])  # seed 0: every row continues
     ref_args = {n: (x.clone() if n in ("conv_states", "state_pool") else x) for n, x in args.items()}
@@ -138,15 +143,8 @@ def test_kda_decode_consecutive_slots_in_place(seed, dtype, monkeypatch):
     rng = random.Random(100 + seed)
     gen = torch.Generator().manual_seed(seed)
     N, h, K, V, W = rng.randint(1, 9), rng.choice([1, 2, 4]), rng.choice([4, 8]), rng.choice([4, 8]), 4
-    C, a = 2 * h * K + h * V, rng.randint(0, 3)
-    args = dict(
-        qkv=torch.randn(N, C, generator=gen, dtype=F64), conv_weight=torch.randn(C, 1, W, generator=gen, dtype=F64),
-        conv_states=torch.randn(N + 5, C, W - 1, generator=gen, dtype=F64),
-        raw_g=torch.randn(N, h, K, generator=gen, dtype=F64), A_log=torch.randn(h, generator=gen, dtype=F64),
-        dt_bias=torch.randn(h * K, generator=gen, dtype=F64), beta_logit=torch.randn(N, h, generator=gen, dtype=F64),
-        gate=torch.randn(N, h * V, generator=gen, dtype=F64), o_norm_weight=torch.randn(V, generator=gen, dtype=F64),
-        state_pool=torch.randn(N + 5, h, V, K, generator=gen, dtype=F64))
-    args = {n: x.to(dtype) for n, x in args.items()}
+    a = rng.randint(0, 3)
+    args = _decode_args(gen, N, h, K, V, W, dtype)
     idx = torch.arange(a, a + N)
     assert cpu.kda._slot_range(idx) == slice(a, a + N)
     assert cpu.kda._slot_range(torch.tensor([a, a + 2])) is None and cpu.kda._slot_range(torch.tensor([3, 2])) is None
