@@ -143,3 +143,46 @@ def test_choose_splits():
     assert 32 * ns <= 132 or (32 * ns) % 132 > 120  # a nearly full last wave
     assert choose_splits(1024, 32768, 64, 32, 512, 1152, 132, 256) == 1
     assert choose_splits(1, 64, 64, 32, 512, 1152, 132, 256) == 1
+
+
+PREFILL_CASES = {
+    # whole prompts, a chunk after a cached prefix, a decode row and an empty sequence among them
+    "chunks": ([40, 70, 5, 9, 0], [40, 30, 5, 1, 0], 8),
+    "short": ([1, 8, 9, 70], [1, 1, 1, 1], 8),
+    "multi": ([13, 5, 6, 40], [3, 0, 1, 4], 4),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+@pytest.mark.parametrize("Hh", [3, 16, 40])
+@pytest.mark.parametrize("rows", [64, 16])
+def test_mla_prefill_kernel_fp32(monkeypatch, name, Hh, rows):
+    """`_mla_prefill_kernel` (BQ tokens x BH heads per program; token blocks that cross sequence boundaries,
+    heads padded to a power of two, NaN in every slot no row may see) == the reference."""
+    from k3serve.kernels.triton import mla_decode
+
+    monkeypatch.setattr(mla_decode, "PREFILL_ROWS", rows)
+    ctx, nq, bs = PREFILL_CASES[name]
+    case = make_case(ctx, nq, bs, Hh, seed=Hh * 3 + rows + len(name))
+    check(case, 1e-5, variant="prefill", block_n=16)
+
+
+def test_mla_prefill_kernel_taken_for_prefill_bf16(monkeypatch):
+    """variant=None: 16-bit steps with >= PREFILL_MIN_TOKENS_PER_SEQ tokens per sequence take the prefill kernel
+    (the per-token kernel is made to fail), decode-shaped and fp32 steps do not; bf16 result == the reference."""
+    from k3serve.kernels.triton import mla_decode
+
+    assert mla_decode.takes_prefill(64, 4, 2) and not mla_decode.takes_prefill(63, 4, 2)
+    assert not mla_decode.takes_prefill(64, 4, 4) and not mla_decode.takes_prefill(8, 8, 2)
+    monkeypatch.setattr(mla_decode, "PREFILL_MIN_TOKENS_PER_SEQ", 0)
+    assert not mla_decode.takes_prefill(10**6, 1, 2)
+    monkeypatch.setattr(mla_decode, "PREFILL_MIN_TOKENS_PER_SEQ", 16)
+    ctx, nq, bs = [40, 70, 9], [40, 30, 1], 8
+    case = make_case(ctx, nq, bs, 16, seed=5, dt=torch.bfloat16)
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the per-token split kernel ran")
+
+    monkeypatch.setattr(mla_decode, "_mla_split_kernel", Refuse())
+    check(case, 2e-2)

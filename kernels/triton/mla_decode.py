@@ -160,6 +160,63 @@ def _mla_split_kernel(
 
 
 @triton.jit
+def _mla_prefill_kernel(ql_ptr, qp_ptr, kv_ptr, bt_ptr, sl_ptr, cu_ptr, o_ptr, qk_scale, kv_s0, kv_s1, bt_s0, T, Hh,
+                        nhb, B, bs, L: tl.constexpr, R: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr,
+                        BN: tl.constexpr, SB: tl.constexpr, PREC: tl.constexpr):
+    """Prefill-shaped steps: one program = BQ consecutive query tokens x BH heads as the MMA M dim (BQ * BH rows),
+    so every latent KV tile is read once for BQ tokens instead of once per token. The block's tokens are walked
+    one sequence at a time (a block meets a sequence boundary rarely in prefill chunks); within a sequence each
+    row sees keys [0, its causal end). No splits: prefill has T / BQ x head-block programs to fill the GPU."""
+    ROWS: tl.constexpr = BQ * BH
+    pid = tl.program_id(0)
+    hb = pid % nhb
+    t_first = (pid // nhb) * BQ
+    r = tl.arange(0, ROWS)
+    rl = tl.arange(0, L)
+    rr = tl.arange(0, R)
+    rn = tl.arange(0, BN)
+    t = t_first + r // BH
+    heads = hb * BH + r % BH
+    mrow = (heads < Hh) & (t < T)
+    qrow = t.to(tl.int64) * Hh + heads
+    qa = tl.load(ql_ptr + qrow[:, None] * L + rl[None, :], mask=mrow[:, None], other=0.0)
+    qp = tl.load(qp_ptr + qrow[:, None] * R + rr[None, :], mask=mrow[:, None], other=0.0)
+    t_last = tl.minimum(t_first + BQ - 1, T - 1)
+    b0 = _seq_of(cu_ptr, t_first, B, SB)
+    b1 = _seq_of(cu_ptr, t_last, B, SB)
+    for b in range(b0, b1 + 1):
+        q0 = tl.load(cu_ptr + b)
+        q1 = tl.load(cu_ptr + b + 1)
+        ctx = tl.load(sl_ptr + b)
+        seg = mrow & (t >= q0) & (t < q1)
+        row_hi = ctx - (q1 - q0) + (t - q0) + 1  # keys [0, row_hi) are visible to the row's token
+        hi = ctx - (q1 - q0) + (tl.minimum(t_last, q1 - 1) - q0) + 1
+        m_i = tl.full([ROWS], -1e30, dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, L], dtype=tl.float32)
+        bt_row = bt_ptr + (q0.to(tl.int64) * 0 + b) * bt_s0  # (b is a plain int under the interpreter)
+        for j in range(0, hi, BN):
+            kk = j + rn
+            km = kk < hi
+            page = tl.load(bt_row + kk // bs, mask=km, other=0).to(tl.int64)
+            krow = page * kv_s0 + (kk % bs).to(tl.int64) * kv_s1
+            c = tl.load(kv_ptr + krow[:, None] + rl[None, :], mask=km[:, None], other=0.0).to(qa.dtype)
+            kp = tl.load(kv_ptr + krow[:, None] + L + rr[None, :], mask=km[:, None], other=0.0).to(qa.dtype)
+            sc = tl.dot(qa, tl.trans(c), input_precision=PREC)
+            sc = tl.dot(qp, tl.trans(kp), sc, input_precision=PREC)  # [ROWS, BN]
+            vis = seg[:, None] & (kk[None, :] < row_hi[:, None])
+            sc = tl.where(vis, sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            p = tl.exp2(sc - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            acc = tl.dot(p.to(qa.dtype), c, acc * alpha[:, None], input_precision=PREC)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + qrow[:, None] * L + rl[None, :], o.to(o_ptr.dtype.element_ty), mask=seg[:, None])
+
+
+@triton.jit
 def _mla_merge_kernel(o_ptr, ws_ptr, NS, ml_off, L: tl.constexpr, BL: tl.constexpr, NSP: tl.constexpr):
     """One (query row, head) and BL latent columns per program; all NS partials as one [NSP, BL] tile."""
     row = tl.program_id(0)  # t * Hh + h
@@ -265,6 +322,21 @@ def default_config(
     return variant, block_h, block_n, stages
 
 
+PREFILL_MIN_TOKENS_PER_SEQ = 16
+"""`variant=None`: 16-bit steps with at least this many query tokens per sequence on average (prefill chunks)
+take `_mla_prefill_kernel` (BQ tokens x BH heads per program, each KV tile read once per BQ tokens); decode-shaped
+steps keep the per-token split kernel. 0 turns the prefill kernel off."""
+PREFILL_ROWS = 64
+"""MMA rows per prefill program (BQ tokens x BH heads; 64: Hopper wgmma)."""
+PREFILL_BN = 32
+PREFILL_STAGES = 2
+
+
+def takes_prefill(T: int, B: int, elem: int) -> bool:
+    """Whether `variant=None` takes the prefill kernel for T query tokens over B sequences."""
+    return elem == 2 and PREFILL_MIN_TOKENS_PER_SEQ > 0 and T >= PREFILL_MIN_TOKENS_PER_SEQ * max(B, 1)
+
+
 def _pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
@@ -339,7 +411,8 @@ def mla_paged_attention_triton(
     """Triton implementation of `reference.mla_paged_attention` (same arguments and result).
 
     Tuning knobs (not part of the op contract; None = `default_config`): `variant` "plain" (heads are the
-    MMA M dim) or "trans" (keys are M: with block_n = 64 both dots are wgmma on the shared-memory tile);
+    MMA M dim) or "trans" (keys are M: with block_n = 64 both dots are wgmma on the shared-memory tile), or
+    "prefill" (`_mla_prefill_kernel`: tokens x heads as M; None takes it per `takes_prefill`);
     `block_h` heads per program; `block_n` keys per inner step; `num_stages` software-pipelining depth;
     `num_warps` of the split kernel; `num_splits` KV splits per item (default `choose_splits`, each split
     >= `min_split_keys` keys of the longest possible context); `merge_elems` partials per merge program.
@@ -358,6 +431,17 @@ def mla_paged_attention_triton(
     cu, sl, bt = cu_seqlens_q.to(device=dev), seq_lens.to(device=dev), block_tables.to(device=dev)
     bs = kv_cache.shape[1]
     B = cu.shape[0] - 1
+    if variant == "prefill" or (variant is None and takes_prefill(T, B, q_lat.element_size())):
+        BH = min(PREFILL_ROWS, _pow2(Hh))
+        BQ = max(1, PREFILL_ROWS // BH)
+        nhb = -(-Hh // BH)
+        _mla_prefill_kernel[(triton.cdiv(T, BQ) * nhb,)](
+            ql, qp, kv_cache, bt, sl, cu, out, float(scale) * LOG2E, kv_cache.stride(0), kv_cache.stride(1),
+            bt.stride(0), T, Hh, nhb, B, bs, L=L, R=R, BQ=BQ, BH=BH, BN=block_n or PREFILL_BN,
+            SB=min(256, _pow2(B)), PREC=dot_precision(q_lat.dtype), num_warps=num_warps,
+            num_stages=num_stages or PREFILL_STAGES,
+        )  # fmt: skip
+        return out
     pl = _plan(
         T,
         Hh,

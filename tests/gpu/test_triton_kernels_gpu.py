@@ -196,7 +196,10 @@ def test_attn_res_gpu(T, D, n, wi, delta, wout, dt):
 # ---------------------------------------------------------------- MLA
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("Hh,ctx,nq,bs", [(12, [3000], [1], 64), (32, [1, 700, 4097, 65], [1, 1, 1, 1], 16),
-                                          (96, [500, 33], [1, 1], 64), (16, [300, 90], [40, 3], 64)])
+                                          (96, [500, 33], [1, 1], 64), (16, [300, 90], [40, 3], 64),
+                                          # prefill-shaped (bf16: kernels/triton/mla_decode.py _mla_prefill_kernel)
+                                          (16, [1024, 300, 7], [1024, 100, 1], 16), (32, [900, 70], [600, 70], 64),
+                                          (96, [400], [400], 64)])
 def test_mla_paged_gpu(Hh, ctx, nq, bs, dt):
     g = gen()
     L, R = 512, 64
