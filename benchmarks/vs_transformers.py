@@ -143,6 +143,36 @@ def engine_counts(llm) -> dict[str, int]:
             "preemptions": eng.scheduler.num_preemptions}
 
 
+class StepTimer:
+    """Wraps an engine's `runner.execute` to time every step (the device synchronized after each, so a step's
+    time is its own) with what the step held: prefill tokens and decode rows. `--slow-steps N` prints the N
+    slowest steps of one more, untimed run after the timed ones, to find where a run's time goes."""
+
+    def __init__(self, llm, device: str):
+        self.device, self.steps, self.on = device, [], False
+        runner = llm.engine.runner
+        self._execute = runner.execute
+        runner.execute = self._timed
+
+    def _timed(self, sched):
+        if not self.on:
+            return self._execute(sched)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self._execute(sched)
+        _sync(self.device)
+        chunks = sched.chunks
+        rows = sum(len(c.token_ids) == 1 for c in chunks)
+        self.steps.append((time.perf_counter() - t0, sum(len(c.token_ids) for c in chunks) - rows, rows))
+        return out
+
+    def report(self, n: int) -> str:
+        total = sum(t for t, _, _ in self.steps)
+        slow = sorted(self.steps, reverse=True)[:n]
+        return (f"{len(self.steps)} steps, {total * 1e3:.1f} ms in execute; slowest: "
+                + ", ".join(f"{t * 1e3:.1f} ms ({p} prefill tokens, {r} decode rows)" for t, p, r in slow))
+
+
 def hf_generate(model, prompts: list[list[int]], new: int, device: str) -> list[list[int]]:
     """One batched greedy generate, left-padded (pad id 0, masked), with transformers' caches."""
     width = max(len(p) for p in prompts)
@@ -188,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[None], metavar="N",
                     help="the engine's token budget per step, one engine row per value (default: the engine's "
                          "default: 16384 on a CUDA device with >= 80 GB, else 2048)")
+    ap.add_argument("--slow-steps", type=int, default=0, metavar="N",
+                    help="print the N slowest engine steps of the last timed run (each step synchronized)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
@@ -261,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
                 _sync(args.device)
                 t_en[j].append(time.perf_counter() - t0)
                 c_en[j].append(time.process_time() - c0)
+        after = [engine_counts(llm) for llm in llms]
+        timers = [StepTimer(llm, args.device) for llm in llms] if args.slow_steps > 0 else []
+        for timer, llm in zip(timers, llms):  # one more engine run, untimed, each step synchronized
+            timer.on = True
+            engine_generate(llm, prompts, new)
         tok = n * new
         for j, llm in enumerate(llms):
             agree = sum(a == b for a, b in zip(got[j], want))
@@ -270,8 +307,11 @@ def main(argv: list[str] | None = None) -> int:
                          tok / min(t_en[j]), min(t_hf) / min(t_en[j]), min(c_hf) / min(c_en[j]), f"{agree}/{n}"])
             print(f"# {n} prompts, budget {rows[-1][2]}: transformers {rows[-1][3]:.1f} tok/s, engine "
                   f"{rows[-1][4]:.1f} tok/s, ratio {rows[-1][5]:.3f}, agree {agree}/{n}; engine per timed run: "
-                  + ", ".join(f"{k} {(v - before[j][k]) / args.repeats:g}" for k, v in engine_counts(llm).items()),
+                  + ", ".join(f"{k} {(v - before[j][k]) / args.repeats:g}" for k, v in after[j].items()),
                   flush=True)  # kept if cut
+            if timers:
+                print(f"# {n} prompts, budget {rows[-1][2]}, a run after the timed ones: "
+                      f"{timers[j].report(args.slow_steps)}", flush=True)
         del llms, llm  # the loop variable held the last engine (and its KV cache) into the next batch size
         if gpu:
             import gc

@@ -5,6 +5,7 @@ mixed-length batch; the script prints its table and rejects bad arguments with e
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,12 +23,19 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_tiny_run_agrees_with_transformers_on_every_request():
     p = _run("--size", "tiny", "--num-prompts", "5", "--min-len", "3", "--max-len", "40", "--new-tokens", "6",
-             "--repeats", "1", "--threads", "1")
+             "--repeats", "1", "--threads", "1", "--slow-steps", "2")
     assert p.returncode == 0, p.stdout + p.stderr
     row = [ln for ln in p.stdout.splitlines() if ln.split()[:1] == ["5"]]
     assert len(row) == 1 and row[0].split()[-1] == "5/5", p.stdout
     ratio = float(row[0].split()[4])
     assert ratio > 0
+    # --slow-steps: one more run, every step timed, as many steps as a timed run took, the 2 slowest listed
+    counts = re.search(r"engine per timed run: steps (\d+)", p.stdout)
+    slow = re.search(r"a run after the timed ones: (\d+) steps, [\d.]+ ms in execute; slowest: (.*)", p.stdout)
+    assert counts and slow, p.stdout
+    assert slow.group(1) == counts.group(1) and int(counts.group(1)) >= 6  # a prefill step + one per new token
+    listed = re.findall(r"([\d.]+) ms \((\d+) prefill tokens, (\d+) decode rows\)", slow.group(2))
+    assert len(listed) == 2 and float(listed[0][0]) >= float(listed[1][0]), slow.group(2)
 
 
 def _main():
