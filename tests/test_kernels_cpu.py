@@ -162,8 +162,10 @@ def test_kda_decode_consecutive_slots_in_place(seed, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 @pytest.mark.parametrize("seed", range(4))
-def test_causal_conv1d_equals_reference(seed, dtype, monkeypatch):
+@pytest.mark.parametrize("shifted", [True, False])
+def test_causal_conv1d_equals_reference(seed, dtype, shifted, monkeypatch):
     monkeypatch.setattr(cpu.conv, "_reference", lambda *a, **k: pytest.fail("fell back to the reference op"))
+    monkeypatch.setattr(cpu.conv, "SHIFTED", shifted)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     B, C, W = rng.randint(1, 7), rng.choice([6, 24]), rng.choice([2, 4])
@@ -185,6 +187,45 @@ def test_causal_conv1d_equals_reference(seed, dtype, monkeypatch):
         s_ref, s_cpu = states.clone(), states.clone()
         want = reference.causal_conv1d_varlen(x, w, s_ref, activation=act, **kw)
         _close(cpu.causal_conv1d_varlen(x, w, s_cpu, activation=act, **kw), want, dtype)
+        _close(s_cpu, s_ref, dtype)
+
+
+_CONV_EDGE_CASES = [  # (lens, slots, init, checkpoints (seq, offset, slot), extra rows past the last sequence)
+    ([1, 0, 2, 3, 1, 17], [4, 0, 9, -1, 2, 7], [True, True, False, True, True, False], [(0, 0, 11), (2, 1, 12),
+                                                                                        (5, 17, 13), (5, 2, 14)], 0),
+    ([1, 1], [3, 1], [True, False], [], 0),  # fewer tokens than the kernel width
+    ([5, 40, 1], [-1, 6, 5], [True, True, True], [(1, 3, 10)], 3),  # rows of no sequence stay zero
+    ([64, 64, 64], [0, 1, 2], [True, True, True], [], 0),
+    ([2], [-1], [True], [], 0),  # only a padded sequence
+]
+
+
+@pytest.mark.parametrize("shifted", [True, False])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("case", range(len(_CONV_EDGE_CASES)))
+def test_causal_conv1d_forms_edge_cases(case, dtype, shifted, monkeypatch):
+    """Both prefill forms of the CPU conv (`conv.SHIFTED`: shifted multiply-adds over the whole batch, or a conv1d
+    per sequence) == the reference: sequences shorter than the kernel, empty and padded ones, fresh histories,
+    checkpoints inside the history, non-contiguous slots, rows outside every sequence; outputs and every pool row."""
+    monkeypatch.setattr(cpu.conv, "_reference", lambda *a, **k: pytest.fail("fell back to the reference op"))
+    monkeypatch.setattr(cpu.conv, "SHIFTED", shifted)
+    lens, slots, init, ckpt, extra = _CONV_EDGE_CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    C, W = 12, 4
+    x = torch.randn(sum(lens) + extra, C, generator=gen, dtype=F64).to(dtype)
+    w = torch.randn(C, W, generator=gen, dtype=F64).to(dtype)
+    states = torch.randn(16, C, W - 1, generator=gen, dtype=F64).to(dtype)
+    kw = dict(state_indices=torch.tensor(slots), cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()),
+              has_initial_state=torch.tensor(init))
+    if ckpt:
+        kw.update(checkpoint_seq=torch.tensor([c[0] for c in ckpt]), checkpoint_offsets=torch.tensor([c[1] for c in ckpt]),
+                  checkpoint_slots=torch.tensor([c[2] for c in ckpt]))
+    for act in ("silu", None):
+        s_ref, s_cpu = states.clone(), states.clone()
+        want = reference.causal_conv1d_varlen(x, w, s_ref, activation=act, **kw)
+        got = cpu.causal_conv1d_varlen(x, w, s_cpu, activation=act, **kw)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        _close(got, want, dtype)
         _close(s_cpu, s_ref, dtype)
 
 
