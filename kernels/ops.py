@@ -9,13 +9,17 @@ Setting the environment variable K3SERVE_KERNELS=reference forces the reference 
 K3SERVE_KERNELS=triton sends CPU tensors to the Triton registrations too, which only makes sense under
 Triton's CPU interpreter (TRITON_INTERPRET=1): it runs the whole engine on the kernels without a GPU.
 Registered functions must have exactly the reference signature (see the reference docstrings).
+Inside `pinned_kernels()` (the engine's forward, workers/engine/k3_forward.py) the variable is read once when it
+is entered and every op name's choice is remembered until it exits: ~100 op calls per CPU decode step no longer
+each read os.environ and walk the registries (~0.3 ms per step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -26,6 +30,8 @@ TRITON = "triton"
 _AUTOLOAD_MODULE = "k3serve.kernels.triton_ops"
 _registry: dict[str, dict[str, Callable]] = {TRITON: {}}
 _autoload_done = False
+_pinned_mode: str | None = None  # K3SERVE_KERNELS as read by the outermost open `pinned_kernels()`, else None
+_pinned_impls: dict[tuple[str, bool], Callable] = {}  # (op name, CUDA tensor) -> implementation, while pinned
 
 
 def register_impl(name: str, fn: Callable, backend: str = TRITON) -> None:
@@ -33,11 +39,13 @@ def register_impl(name: str, fn: Callable, backend: str = TRITON) -> None:
     if name not in reference.OPS:
         raise ValueError(f"unknown kernel op {name!r}")
     _registry.setdefault(backend, {})[name] = fn
+    _pinned_impls.clear()
 
 
 def unregister_impl(name: str, backend: str = TRITON) -> None:
     """Remove a registration (no-op if absent)."""
     _registry.get(backend, {}).pop(name, None)
+    _pinned_impls.clear()
 
 
 def registered(backend: str = TRITON) -> dict[str, Callable]:
@@ -57,15 +65,48 @@ def _autoload() -> None:
             raise
 
 
+def _mode() -> str:
+    """K3SERVE_KERNELS: the value pinned by an open `pinned_kernels()`, else read from the environment now."""
+    return _pinned_mode if _pinned_mode is not None else os.environ.get("K3SERVE_KERNELS", "")
+
+
+@contextlib.contextmanager
+def pinned_kernels() -> Iterator[None]:
+    """Within the block, ops dispatch on K3SERVE_KERNELS as read on entry and remember each op's implementation
+    (a registration change forgets them). Nested blocks (and blocks entered while another thread's is open) keep
+    the outer pin; outside every block each op call reads the environment, so tests may set it at any time."""
+    global _pinned_mode
+    if _pinned_mode is not None:
+        yield
+        return
+    _pinned_impls.clear()
+    _pinned_mode = os.environ.get("K3SERVE_KERNELS", "")
+    try:
+        yield
+    finally:
+        _pinned_mode = None
+        _pinned_impls.clear()
+
+
 def _impl(name: str, tensor: torch.Tensor) -> Callable:
     """The implementation of op `name` for data living where `tensor` lives."""
-    mode = os.environ.get("K3SERVE_KERNELS", "")
-    if (tensor.is_cuda and mode != "reference") or mode == "triton":
+    if _pinned_mode is None:
+        return _choose(name, tensor.is_cuda, os.environ.get("K3SERVE_KERNELS", ""))
+    key = (name, tensor.is_cuda)
+    fn = _pinned_impls.get(key)
+    if fn is None:
+        fn = _pinned_impls[key] = _choose(name, tensor.is_cuda, _mode())
+    return fn
+
+
+def _choose(name: str, is_cuda: bool, mode: str) -> Callable:
+    """The implementation of op `name` for CUDA (or CPU) data under K3SERVE_KERNELS=`mode`."""
+    if (is_cuda and mode != "reference") or mode == "triton":
         _autoload()
         fn = _registry[TRITON].get(name)
         if fn is not None:
             return fn
-    elif not tensor.is_cuda and mode != "reference":
+    elif not is_cuda and mode != "reference":
         fn = cpu.OPS.get(name)  # the batched CPU forms (k3serve/kernels/cpu/), same contracts
         if fn is not None:
             return fn
@@ -269,7 +310,7 @@ def kda_verify(
             cu_seqlens, has_initial_state)
     kw = dict(lower_bound=lower_bound, scale=scale, checkpoint_seq=checkpoint_seq,
               checkpoint_offsets=checkpoint_offsets, checkpoint_slots=checkpoint_slots)
-    mode = os.environ.get("K3SERVE_KERNELS", "")
+    mode = _mode()
     if not qkv.is_cuda and not mode:
         o = _cpu_kda_verify.kda_verify(*args, **kw)
         return o if gate is None else _norm_gate(o, gate, o_norm_weight, eps, qkv.dtype)
@@ -374,4 +415,4 @@ for _name in reference.OPS:  # the wrappers document themselves with the referen
     globals()[_name].__doc__ = getattr(reference, _name).__doc__
 del _name
 
-__all__ = [*reference.OPS, "kda_verify", "register_impl", "unregister_impl", "registered"]
+__all__ = [*reference.OPS, "kda_verify", "pinned_kernels", "register_impl", "unregister_impl", "registered"]

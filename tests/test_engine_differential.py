@@ -69,3 +69,23 @@ def test_static_padded_decode_path(tiny_model_dir):
               max_num_seqs=16, static_decode=True)
     assert engine_outputs(llm, prompts, MAX_NEW) == refs
     assert llm.engine.runner.num_static_decode_steps >= MAX_NEW - 1
+
+
+def test_forward_pins_the_kernel_choice(tiny_model_dir, monkeypatch):
+    """The engine's forward runs inside `ops.pinned_kernels()` (K3SERVE_KERNELS read once per pass): every op call
+    of a pass sees the pin; with K3SERVE_KERNELS=reference the pass takes the reference ops and the greedy tokens
+    still equal the reference forward's."""
+    from k3serve.kernels import ops, reference
+
+    seen = []
+    real = reference.rms_norm
+
+    def spy(*a, **k):
+        seen.append(ops._pinned_mode)
+        return real(*a, **k)
+
+    monkeypatch.setattr(reference, "rms_norm", spy)  # rms_norm has no CPU form: every call comes here
+    monkeypatch.setenv("K3SERVE_KERNELS", "reference")
+    _check(tiny_model_dir, random_prompts(2, 4, 576, 3, 20), max_model_len=64)
+    assert seen and set(seen) == {"reference"}
+    assert ops._pinned_mode is None

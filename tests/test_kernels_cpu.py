@@ -287,6 +287,59 @@ def test_moe_experts_equal_reference_every_order(T, E, I, D, dtype, no_fallback,
         _close(cpu.moe_experts(z, wts, ids, **kmajor), want, dtype)
 
 
+def test_ops_pinned_kernels_reads_the_mode_once(monkeypatch):
+    """Inside `ops.pinned_kernels()` K3SERVE_KERNELS is the value read on entry (a change inside the block waits for
+    the next block); nested blocks keep the outer pin; a registration change inside forgets the remembered choices;
+    outside every block each op call reads the environment again."""
+    z = torch.randn(2, 4)
+    monkeypatch.delenv("K3SERVE_KERNELS", raising=False)
+    with ops.pinned_kernels():
+        assert ops._impl("moe_experts", z) is cpu.moe_experts
+        monkeypatch.setenv("K3SERVE_KERNELS", "reference")
+        assert ops._impl("moe_experts", z) is cpu.moe_experts
+        with ops.pinned_kernels():  # nested: still the outer block's mode, and still pinned after it closes
+            assert ops._impl("kda_chunked", z) is cpu.kda_chunked
+        assert ops._impl("kda_chunked", z) is cpu.kda_chunked
+        ops.register_impl("rms_norm", reference.rms_norm)  # any registration change: choose again (same mode)
+        try:
+            assert not ops._pinned_impls
+            assert ops._impl("moe_experts", z) is cpu.moe_experts
+        finally:
+            ops.unregister_impl("rms_norm")
+    assert ops._impl("moe_experts", z) is reference.moe_experts  # unpinned: the environment as it is now
+    with ops.pinned_kernels():
+        assert ops._impl("moe_experts", z) is reference.moe_experts
+        monkeypatch.delenv("K3SERVE_KERNELS")
+        assert ops._impl("moe_experts", z) is reference.moe_experts
+    assert ops._impl("moe_experts", z) is cpu.moe_experts
+    assert ops._pinned_mode is None and not ops._pinned_impls
+
+
+def test_ops_pinned_kernels_released_on_error(monkeypatch):
+    monkeypatch.delenv("K3SERVE_KERNELS", raising=False)
+    with pytest.raises(RuntimeError), ops.pinned_kernels():
+        raise RuntimeError("a failing forward")
+    monkeypatch.setenv("K3SERVE_KERNELS", "reference")
+    assert ops._impl("moe_experts", torch.randn(2, 4)) is reference.moe_experts
+
+
+def test_cast_skips_only_noop_casts(monkeypatch):
+    """`cast` returns x itself when it has the dtype (as `Tensor.to` would), converts otherwise; with
+    SKIP_NOOP_CASTS off it always calls `Tensor.to`."""
+    from k3serve.kernels.reference import _varlen
+
+    x = torch.randn(3, dtype=torch.float32)
+    assert _varlen.cast(x, torch.float32) is x
+    y = _varlen.cast(x, F64)
+    assert y.dtype == F64 and torch.equal(y, x.to(F64))
+    calls = []
+    real = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    assert _varlen.cast(x, torch.float32) is x and not calls
+    monkeypatch.setattr(_varlen, "SKIP_NOOP_CASTS", False)
+    assert _varlen.cast(x, torch.float32) is x and calls == [(torch.float32,)]
+
+
 def test_ops_dispatch_cpu_forms_and_reference_switch(monkeypatch):
     z = torch.randn(2, 4)
     assert ops._impl("moe_experts", z) is cpu.moe_experts

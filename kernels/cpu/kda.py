@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..reference import kda_chunked as _ref_chunked
 from ..reference import kda_decode as _ref_decode
 from ..reference._kda_batch import prepare
-from ..reference._varlen import compute_dtype
+from ..reference._varlen import cast, compute_dtype
 from ..reference.kda_gate import kda_gate
 from ..reference.norms import l2_normalize, rms_norm
 
@@ -84,7 +84,7 @@ def kda_decode(
     _, h, K = raw_g.shape
     V = state_pool.shape[2]
     P = h * K
-    idx = state_indices.to(torch.long)
+    idx = cast(state_indices, torch.long)
     live = idx >= 0
     w = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight
     if (qkv.dtype != dt or state_pool.dtype != dt or conv_states.dtype != dt or qkv.dim() != 2
@@ -98,22 +98,22 @@ def kda_decode(
             init = None if has_initial_state is None else has_initial_state[rows]
             out[rows] = kda_decode(qkv[rows], conv_weight, conv_states, raw_g[rows], A_log, dt_bias, beta_logit[rows],
                                    gate.reshape(N, -1)[rows], o_norm_weight, state_pool, idx[rows], init, **kw)
-        return out.to(qkv.dtype)
+        return cast(out, qkv.dtype)
     init = (torch.zeros(N, dtype=torch.bool) if has_initial_state is None
-            else has_initial_state.to(torch.bool).reshape(N))
+            else cast(has_initial_state, torch.bool).reshape(N))
     all_init = bool(init.all())
     rng = _slot_range(idx) if CONTIGUOUS_IN_PLACE else None
     hist = conv_states[rng] if rng is not None else conv_states.index_select(0, idx)  # [N, C, W-1]
     if not all_init:
         hist = torch.where(init[:, None, None], hist, 0)
     full = torch.cat([hist, qkv[:, :, None]], dim=2)  # [N, C, W]
-    y = F.silu((full * w.to(dt)).sum(-1))
+    y = F.silu((full * cast(w, dt)).sum(-1))
     if rng is not None:
         conv_states[rng] = full[:, :, 1:]
     else:
         conv_states.index_copy_(0, idx, full[:, :, 1:])
     g = kda_gate(raw_g, A_log, dt_bias, lower_bound)
-    beta = torch.sigmoid(beta_logit.to(dt))
+    beta = torch.sigmoid(cast(beta_logit, dt))
     sc = K ** -0.5 if scale is None else scale
     q = l2_normalize(y[:, :P].reshape(N, h, K), 1e-6) * sc
     k = l2_normalize(y[:, P:2 * P].reshape(N, h, K), 1e-6)
@@ -133,7 +133,7 @@ def kda_decode(
     if rng is None:
         state_pool.index_copy_(0, idx, S)
     o = (S * q[:, :, None, :]).sum(-1)
-    return (rms_norm(o, o_norm_weight.to(dt), eps) * torch.sigmoid(gate.reshape(N, h, V).to(dt))).to(qkv.dtype)
+    return cast(rms_norm(o, cast(o_norm_weight, dt), eps) * torch.sigmoid(cast(gate.reshape(N, h, V), dt)), qkv.dtype)
 
 
 def _gated_products(qc, kc, G):
@@ -190,7 +190,7 @@ def kda_chunked(
     Vd = kb.v.shape[-1]
     o = torch.zeros(T + 1, H, Vd, dtype=dt)
     if not seqs:
-        return o[:T].to(v.dtype)
+        return cast(o[:T], v.dtype)
     lens = {b: kb.cu[b + 1] - kb.cu[b] for b in seqs}
     if not any(lens.values()):
         return _ref_chunked(*args, chunk_size=chunk_size, **kw)
@@ -254,4 +254,4 @@ def kda_chunked(
                 Gn = G[c, :, n - 1:n, :]
                 kdn = kc[c, :, :n] * torch.exp(Gn - G[c, :, :n])
                 state_pool[slot] = entry[c] * torch.exp(Gn) + u[c, :, :n].transpose(-1, -2) @ kdn
-    return o[:T].to(v.dtype)
+    return cast(o[:T], v.dtype)

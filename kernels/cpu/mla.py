@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..reference import mla_paged_attention as _reference
-from ..reference._varlen import compute_dtype, int_list, seq_starts
+from ..reference._varlen import cast, compute_dtype, int_list, seq_starts
 
 
 def mla_paged_attention(
@@ -48,12 +48,12 @@ def mla_paged_attention(
     tok = torch.tensor([cu[b] for b in single])
     n_k = max(lens[b] for b in single)
     bs = kv_cache.shape[1]
-    pages = block_tables[rows, : math.ceil(n_k / bs)].to(torch.long)
-    kv = kv_cache[pages].reshape(len(single), -1, kv_cache.shape[-1])[:, :n_k].to(dt)  # [D, n_k, L+R]
+    pages = cast(block_tables[rows, : math.ceil(n_k / bs)], torch.long)
+    kv = cast(kv_cache[pages].reshape(len(single), -1, kv_cache.shape[-1])[:, :n_k], dt)  # [D, n_k, L+R]
     past = torch.arange(n_k)[None, :] >= torch.tensor([lens[b] for b in single])[:, None]  # [D, n_k]
     kv.masked_fill_(past[:, :, None], 0)  # (a fresh copy) whatever the unused page tails hold never reaches the output
     c, k_pe = kv[..., :L], kv[..., L:]
-    s = torch.bmm(q_lat[tok].to(dt), c.transpose(1, 2)) + torch.bmm(q_pe[tok].to(dt), k_pe.transpose(1, 2))
+    s = torch.bmm(cast(q_lat[tok], dt), c.transpose(1, 2)) + torch.bmm(cast(q_pe[tok], dt), k_pe.transpose(1, 2))
     s = (s * scale).masked_fill(past[:, None, :], float("-inf"))
     out[tok] = torch.bmm(torch.softmax(s, dim=-1), c)
-    return out.to(q_lat.dtype)
+    return cast(out, q_lat.dtype)

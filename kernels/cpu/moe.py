@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import moe_experts as _reference
-from ..reference._varlen import compute_dtype
+from ..reference._varlen import cast, compute_dtype
 from ..reference.activations import silu_and_mul, situ_and_mul
 
 LOOP_COST_BYTES = 256 * 1024
@@ -82,14 +82,14 @@ def moe_experts(
     T, k = topk_ids.shape
     E, two_i, d_in = w13.shape
     d_out = w2.shape[1]
-    ids = topk_ids.to(torch.long)
+    ids = cast(topk_ids, torch.long)
     valid = ids >= 0
     if T == 0 or not bool(valid.any()):
         return torch.zeros(T, d_out, dtype=dt)
     if int(ids.max()) >= E:
         raise IndexError(f"moe_experts: expert id {int(ids.max())} out of range for {E} experts")
     counts = torch.bincount(ids[valid], minlength=E)
-    wts = topk_weights.to(dt)
+    wts = cast(topk_weights, dt)
     grouped_mm = (GROUPED_MM and dt == torch.float32 and _aligned(w13.transpose(1, 2)) and _aligned(w2.transpose(1, 2))
                   and d_in % 4 == 0 and (two_i // 2) % 4 == 0)
     # the dense form: float64 (no grouped_mm), or with several threads (grouped_mm's per-expert products are too

@@ -9,6 +9,18 @@ from collections.abc import Sequence
 
 import torch
 
+SKIP_NOOP_CASTS = True
+"""`cast` returns a tensor that already has the wanted dtype as it is (False: always `Tensor.to`, the earlier form,
+for benchmarks): a no-op `Tensor.to` still costs about 1-2 us of argument parsing and dispatch on the CPU, and a
+decode step made hundreds of them."""
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` (same values, same aliasing), skipping the call when x already is `dtype`."""
+    if SKIP_NOOP_CASTS and x.dtype == dtype:
+        return x
+    return x.to(dtype)
+
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """float64 if any given tensor is float64, else float32 (the reference ops' arithmetic dtype)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._varlen import compute_dtype
+from ._varlen import cast, compute_dtype
 
 
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -12,7 +12,7 @@ def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"gated activation needs an even last dimension, got {tuple(x.shape)}")
     dt = compute_dtype(x)
     n = x.shape[-1] // 2
-    return x[..., :n].to(dt), x[..., n:].to(dt)
+    return cast(x[..., :n], dt), cast(x[..., n:], dt)
 
 
 def situ_and_mul(x: torch.Tensor, beta: float = 4.0, linear_beta: float | None = None) -> torch.Tensor:
@@ -25,10 +25,10 @@ def situ_and_mul(x: torch.Tensor, beta: float = 4.0, linear_beta: float | None =
     g = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
     if linear_beta is not None:
         up = linear_beta * torch.tanh(up / linear_beta)
-    return (g * up).to(x.dtype)
+    return cast(g * up, x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: `x[..., 2n]` = gate | up -> `silu(gate) * up`, `[..., n]` in x's dtype (fp32/fp64 math)."""
     gate, up = _split(x)
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    return cast(torch.nn.functional.silu(gate) * up, x.dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._varlen import compute_dtype
+from ._varlen import cast, compute_dtype
 
 
 def kda_gate(
@@ -23,8 +23,8 @@ def kda_gate(
             f"kda_gate: A_log {tuple(A_log.shape)} / dt_bias {tuple(dt_bias.shape)} vs raw_g {(T, H, D)}"
         )
     dt = compute_dtype(raw_g, A_log, dt_bias)
-    z = raw_g.to(dt) + dt_bias.to(dt).view(H, D)
-    a = torch.exp(A_log.to(dt)).view(H, 1)
+    z = cast(raw_g, dt) + cast(dt_bias, dt).view(H, D)
+    a = torch.exp(cast(A_log, dt)).view(H, 1)
     if lower_bound is not None:
         return lower_bound * torch.sigmoid(a * z)
     return -a * torch.nn.functional.softplus(z, beta=1.0, threshold=20.0)

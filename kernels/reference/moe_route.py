@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ._varlen import cast
+
 
 def _topk_lowest_id_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries per row; ties go to the lowest index (stable descending sort)."""
@@ -33,14 +35,14 @@ def moe_route(
     """
     T, E = router_logits.shape
     dt = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
-    logits = router_logits.to(dt)
+    logits = cast(router_logits, dt)
     if scoring == "sigmoid":
         s = torch.sigmoid(logits)
     elif scoring == "softmax":
         s = torch.softmax(logits, dim=-1)
     else:
         raise ValueError(f"unknown scoring {scoring!r}")
-    sel = s if correction_bias is None else s + correction_bias.to(dt)
+    sel = s if correction_bias is None else s + cast(correction_bias, dt)
     if num_expert_group > 1:
         if E % num_expert_group or not 1 <= topk_group <= num_expert_group:
             raise ValueError(f"E={E}, num_expert_group={num_expert_group}, topk_group={topk_group}")
@@ -58,4 +60,4 @@ def moe_route(
     weights = s.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights * routed_scaling_factor, ids.to(torch.int64)
+    return weights * routed_scaling_factor, cast(ids, torch.int64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._varlen import compute_dtype
+from ._varlen import cast, compute_dtype
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -13,15 +13,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     `weight` None means no affine scale.
     """
     dt = compute_dtype(x)
-    xf = x.to(dt)
+    xf = cast(x, dt)
     y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.to(dt)
-    return y.to(x.dtype)
+        y = y * cast(weight, dt)
+    return cast(y, x.dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x[..., D] / sqrt(sum(x^2) + eps)` over the last dim; fp32 math (fp64 for fp64 x); returns x's dtype."""
     dt = compute_dtype(x)
-    xf = x.to(dt)
-    return (xf * torch.rsqrt(xf.square().sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    xf = cast(x, dt)
+    return cast(xf * torch.rsqrt(xf.square().sum(dim=-1, keepdim=True) + eps), x.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from k3serve.kernels import ops
+from k3serve.kernels.reference._varlen import cast
 from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
 from k3serve.workers.engine.forward_batch import ForwardBatch
 from k3serve.workers.model.functional import LayerWeights, acc_dtype, rope_interleaved
@@ -33,6 +34,10 @@ def gate_sigmoid(g: torch.Tensor, dtype: torch.dtype, acc: torch.dtype) -> torch
 # the projections: `functional.linear` on the CPU; on CUDA decode-sized ones (<= 16 rows) take the skinny GEMM
 # (kernels/triton/gemv.py); the optional third argument is the compute dtype, the operands' cast folded in
 linear = ops.linear
+
+PIN_KERNELS = True
+"""`forward` runs inside `ops.pinned_kernels()` (each op's implementation chosen once per pass, not per call);
+False: every op call reads K3SERVE_KERNELS (the earlier form, for benchmarks)."""
 
 
 class K3ForwardModel:
@@ -163,11 +168,11 @@ class K3ForwardModel:
                                            b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
             q, k, v = (t.reshape(T, h, d) for t in qkv.split(P, dim=-1))
             g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
-            beta = torch.sigmoid(b_logit.to(self.acc))
+            beta = torch.sigmoid(cast(b_logit, self.acc))
             o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
                                 b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
-        o = ops.rms_norm(o.to(self.acc), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps)
-        o = (o * torch.sigmoid(gate.view(T, h, d).to(self.acc))).to(x.dtype)
+        o = ops.rms_norm(cast(o, self.acc), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps)
+        o = cast(o * torch.sigmoid(cast(gate.view(T, h, d), self.acc)), x.dtype)
         return linear(o.reshape(T, P), w["o_proj.weight"])
 
     @staticmethod
@@ -217,7 +222,7 @@ class K3ForwardModel:
         q_lat = torch.einsum("thn,hnl->thl", q_nope, self.w_uk[i])
         o_lat = ops.mla_paged_attention(q_lat, q_pe.contiguous(), cache, b.block_tables[gi], b.seq_lens,
                                         b.cu_seqlens, (dn + dr) ** -0.5, kv_lora_rank=r)
-        o = torch.einsum("thl,hvl->thv", o_lat.to(x.dtype), self.w_uv[i])
+        o = torch.einsum("thl,hvl->thv", cast(o_lat, x.dtype), self.w_uv[i])
         if cfg.mla_use_output_gate:
             o = o * self._gate_sigmoid(g_in[0].reshape(T, h, dv), x.dtype)
         return linear(o.reshape(T, h * dv), w["o_proj.weight"])
@@ -273,15 +278,22 @@ class K3ForwardModel:
     # -- the stack -----------------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, H] (a TP rank overrides it: workers/engine/parallel/layers.py)."""
-        return self.w["model.embed_tokens.weight"][ids].to(self.dtype)
+        return cast(self.w["model.embed_tokens.weight"][ids], self.dtype)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head over the final-normed rows (a TP rank overrides it: workers/engine/parallel/layers.py)."""
-        return linear(h, self.w["lm_head.weight"]).to(self.acc)
+        return cast(linear(h, self.w["lm_head.weight"]), self.acc)
 
     @torch.inference_mode()
     def forward(self, b: ForwardBatch) -> torch.Tensor:
         """Returns logits [S, V] (float32, or float64 for float64 models) for `b.logits_indices`."""
+        if PIN_KERNELS:
+            with ops.pinned_kernels():  # K3SERVE_KERNELS read once for the whole pass (kernels/ops.py)
+                return self._forward(b)
+        return self._forward(b)
+
+    def _forward(self, b: ForwardBatch) -> torch.Tensor:
+        """`forward`'s pass."""
         cfg, W = self.cfg, self.w
         emb = self._embed(b.input_ids)
         eps = cfg.rms_norm_eps
