@@ -134,6 +134,37 @@ def test_kda_decode_equals_reference(seed, dtype, no_fallback):
     _close(args["conv_states"], ref_args["conv_states"], dtype)
 
 
+@pytest.mark.parametrize("bmm", [True, False])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("slots", ["consecutive", "spread", "padded"])
+def test_kda_decode_paged_pools(slots, dtype, bmm, monkeypatch):
+    """kda_decode on pools that are strided views of one page buffer (as workers/engine/cache_layout.py's
+    conv_view / ssm_view: each slot's conv history and state inside its page), in both delta-rule forms
+    (`kda.DECODE_BMM`), for consecutive slots (updated in place through the views), spread ones (gathered and
+    scattered) and a padded row; some rows fresh; == the reference, outputs and every page (untouched bytes too)."""
+    monkeypatch.setattr(cpu.kda, "DECODE_BMM", bmm)
+    gen = torch.Generator().manual_seed(7)
+    N, h, K, V, W = 5, 2, 8, 4, 4
+    C = 2 * h * K + h * V
+    dense = _decode_args(gen, N, h, K, V, W, dtype)
+    n_pages, conv_n, ssm_n = N + 5, C * (W - 1), h * V * K
+    pages = torch.randn(n_pages, conv_n + ssm_n + 3, generator=gen, dtype=F64).to(dtype)  # 3 spare values per page
+    args = {n: x for n, x in dense.items() if n not in ("conv_states", "state_pool")}
+    idx = {"consecutive": torch.arange(2, 2 + N), "spread": torch.tensor([7, 0, 3, 9, 5]),
+           "padded": torch.tensor([4, -1, 1, 8, 6])}[slots]
+    init = torch.tensor([True, True, False, True, False])
+    outs = []
+    for pg in (pages.clone(), pages.clone()):
+        conv = pg[:, :conv_n].view(n_pages, C, W - 1)
+        pool = pg[:, conv_n:conv_n + ssm_n].view(n_pages, h, V, K)
+        fn = reference.kda_decode if not outs else cpu.kda_decode
+        outs.append((fn(**args, conv_states=conv, state_pool=pool, state_indices=idx, has_initial_state=init,
+                        lower_bound=-5.0, eps=1e-6), pg))
+    (want, pg_ref), (got, pg_cpu) = outs
+    _close(got, want, dtype)
+    _close(pg_cpu, pg_ref, dtype)
+
+
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 @pytest.mark.parametrize("seed", range(4))
 def test_kda_decode_consecutive_slots_in_place(seed, dtype, monkeypatch):

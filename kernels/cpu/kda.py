@@ -41,6 +41,12 @@ CONTIGUOUS_IN_PLACE = True
 """`kda_decode`: consecutive ascending state slots are updated in place through a view of the pools (no gather
 and scatter of the states and conv histories); False always gathers (benchmarks, tests)."""
 
+DECODE_BMM = True
+"""`kda_decode`'s delta rule with the decay folded into the vectors: S·(e^g⊙k) and S·(e^g⊙q) as ONE batched product
+with two columns (one read of the states), the output o = S_new·q = S·(e^g⊙q) + u (k·q) without a second pass over
+the updated states, and the rank-1 update S·e^g + u kᵀ as `mul_` + `baddbmm_` in place; q and k normalised in one
+call. False: the earlier form (row sums of broadcast products: S⊙e^g, (S⊙k)Σ, S + u kᵀ, (S⊙q)Σ), for benchmarks."""
+
 CHUNK = 16
 """Chunk length: short chunks keep the intra-chunk products cheap (C·K per token and head) and the gate
 range inside a chunk small; the chunk recurrence is a handful of batched ops per chunk index."""
@@ -115,9 +121,13 @@ def kda_decode(
     g = kda_gate(raw_g, A_log, dt_bias, lower_bound)
     beta = torch.sigmoid(cast(beta_logit, dt))
     sc = K ** -0.5 if scale is None else scale
-    q = l2_normalize(y[:, :P].reshape(N, h, K), 1e-6) * sc
-    k = l2_normalize(y[:, P:2 * P].reshape(N, h, K), 1e-6)
     v = y[:, 2 * P:].reshape(N, h, V)
+    if DECODE_BMM:
+        qk = l2_normalize(y[:, :2 * P].reshape(N, 2 * h, K), 1e-6)  # q and k of every head in one call
+        q, k = qk[:, :h] * sc, qk[:, h:]
+    else:
+        q = l2_normalize(y[:, :P].reshape(N, h, K), 1e-6) * sc
+        k = l2_normalize(y[:, P:2 * P].reshape(N, h, K), 1e-6)
     if rng is not None:  # a view of the pool rows: updated in place, nothing gathered or scattered
         S = state_pool[rng]
         if not all_init:
@@ -126,6 +136,12 @@ def kda_decode(
         S = state_pool.index_select(0, idx)  # [N, h, V, K]
         if not all_init:
             S = torch.where(init[:, None, None, None], S, 0)
+    if DECODE_BMM:
+        o = _delta_rule_bmm(S, torch.exp(g), q, k, v, beta)
+        if rng is None:
+            state_pool.index_copy_(0, idx, S)
+        return cast(rms_norm(o, cast(o_norm_weight, dt), eps) * torch.sigmoid(cast(gate.reshape(N, h, V), dt)),
+                    qkv.dtype)
     # matrix-vector products as multiply + row sums: a batched GEMM with one column is ~3x slower here
     S = S.mul_(torch.exp(g)[:, :, None, :])
     u = beta[:, :, None] * (v - (S * k[:, :, None, :]).sum(-1))
@@ -134,6 +150,20 @@ def kda_decode(
         state_pool.index_copy_(0, idx, S)
     o = (S * q[:, :, None, :]).sum(-1)
     return cast(rms_norm(o, cast(o_norm_weight, dt), eps) * torch.sigmoid(cast(gate.reshape(N, h, V), dt)), qkv.dtype)
+
+
+def _delta_rule_bmm(S: torch.Tensor, eg: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+    """One decode token's gated delta rule on states S [N, h, V, K] (updated in place to S·diag(e^g) + u kᵀ with
+    u = β (v - S·diag(e^g)·k)); returns o = S_new·q [N, h, V]. eg = e^g [N, h, K]; q, k [N, h, K]; v [N, h, V];
+    beta [N, h]. The two products with the decayed states read S once: S·(e^g⊙k) | S·(e^g⊙q) as one batched
+    product with two columns, and S_new·q = S·(e^g⊙q) + u (k·q). S may be a strided view of the paged pools
+    (workers/engine/cache_layout.py ssm_view): everything here takes any strides."""
+    sk_sq = torch.matmul(S, torch.stack([eg * k, eg * q], dim=-1))  # [N, h, V, 2]: S e^g k | S e^g q
+    u = beta[:, :, None] * (v - sk_sq[..., 0])
+    o = torch.addcmul(sk_sq[..., 1], u, (k * q).sum(-1, keepdim=True))
+    S.mul_(eg[:, :, None, :]).addcmul_(u[:, :, :, None], k[:, :, None, :])  # S e^g + u kᵀ, in place
+    return o
 
 
 def _gated_products(qc, kc, G):
