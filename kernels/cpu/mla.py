@@ -16,6 +16,14 @@ from ..reference import mla_paged_attention as _reference
 from ..reference._varlen import cast, compute_dtype, int_list, seq_starts
 
 
+def _zero_tails(kv: torch.Tensor, ctx: list[int]) -> None:
+    """Zero kv[d, ctx[d]:] for every row d of kv [D, n_k, *], in place: one contiguous fill per row that has a
+    tail (a broadcast `masked_fill_` over all of kv took ~5x longer at decode sizes)."""
+    for d, n in enumerate(ctx):
+        if n < kv.shape[1]:
+            kv[d, n:].zero_()
+
+
 def mla_paged_attention(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -50,8 +58,9 @@ def mla_paged_attention(
     bs = kv_cache.shape[1]
     pages = cast(block_tables[rows, : math.ceil(n_k / bs)], torch.long)
     kv = cast(kv_cache[pages].reshape(len(single), -1, kv_cache.shape[-1])[:, :n_k], dt)  # [D, n_k, L+R]
-    past = torch.arange(n_k)[None, :] >= torch.tensor([lens[b] for b in single])[:, None]  # [D, n_k]
-    kv.masked_fill_(past[:, :, None], 0)  # (a fresh copy) whatever the unused page tails hold never reaches the output
+    ctx = [lens[b] for b in single]
+    past = torch.arange(n_k)[None, :] >= torch.tensor(ctx)[:, None]  # [D, n_k]
+    _zero_tails(kv, ctx)  # (a fresh copy) whatever the unused page tails hold never reaches the output
     c, k_pe = kv[..., :L], kv[..., L:]
     s = torch.bmm(cast(q_lat[tok], dt), c.transpose(1, 2)) + torch.bmm(cast(q_pe[tok], dt), k_pe.transpose(1, 2))
     s = (s * scale).masked_fill(past[:, None, :], float("-inf"))
