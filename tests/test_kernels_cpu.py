@@ -69,9 +69,12 @@ def _kda_case(seed, dtype, lower_bound=-5.0, strong=False):
     return t, pool, kw
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 @pytest.mark.parametrize("seed", range(6))
-def test_kda_chunked_equals_reference(seed, dtype, no_fallback):
+def test_kda_chunked_equals_reference(seed, dtype, in_place, no_fallback, monkeypatch):
+    """Both recurrence forms (`kda.CHUNK_IN_PLACE`), with and without checkpoints, == the reference."""
+    monkeypatch.setattr(cpu.kda, "CHUNK_IN_PLACE", in_place)
     t, pool, kw = _kda_case(seed, dtype, strong=seed % 3 == 2)
     p_ref, p_cpu = pool.clone(), pool.clone()
     want = reference.kda_chunked(t["q"], t["k"], t["v"], t["g"], t["beta"], p_ref, **kw)

@@ -47,6 +47,12 @@ with two columns (one read of the states), the output o = S_new·q = S·(e^g⊙q
 the updated states, and the rank-1 update S·e^g + u kᵀ as `mul_` + `baddbmm_` in place; q and k normalised in one
 call. False: the earlier form (row sums of broadcast products: S⊙e^g, (S⊙k)Σ, S + u kᵀ, (S⊙q)Σ), for benchmarks."""
 
+CHUNK_IN_PLACE = True
+"""`kda_chunked`'s chunk-to-chunk recurrence on [sequences x heads] views updated in place (`_recurrence_in_place`:
+u -= W Sᵀ, o = Qg Sᵀ + A u, S = S·decay + uᵀ Kd as 3-D `bmm` products added into u, o and S), the entry states kept
+only when a checkpoint needs them; False: the earlier form (`_recurrence`), for benchmarks. (`baddbmm_` would fuse
+the adds but on the CPU it runs one `addmm_` per matrix at these sizes: slower than bmm + add_.)"""
+
 CHUNK = 16
 """Chunk length: short chunks keep the intra-chunk products cheap (C·K per token and head) and the gate
 range inside a chunk small; the chunk recurrence is a handful of batched ops per chunk index."""
@@ -188,6 +194,45 @@ def _gated_products(qc, kc, G):
     return a_kk, a_qk, pairwise
 
 
+def _recurrence(S, spans, wk, u, qg, a_qk, decay_end, kd, entry):
+    """The chunk-to-chunk recurrence (the earlier form): for each chunk step (c0, nrun) of `spans` the running
+    sequences' states S[:nrun] [A, H, V, K] give the chunks' corrected u (in place), outputs and the next states
+    (S in place); entry[c] = the state entering chunk c. Returns the chunk outputs [n, H, C, V]."""
+    n, H, C, _ = qg.shape
+    oc = torch.empty(n, H, C, u.shape[-1], dtype=S.dtype)
+    for c0, nrun in spans:
+        sl = slice(c0, c0 + nrun)
+        S_run = S[:nrun]
+        entry[sl] = S_run
+        St = S_run.transpose(-1, -2)  # [A, H, K, V]
+        u[sl] -= wk[sl] @ St
+        oc[sl] = qg[sl] @ St + a_qk[sl] @ u[sl]
+        S[:nrun] = S_run * decay_end[sl] + u[sl].transpose(-1, -2) @ kd[sl]
+    return oc
+
+
+def _recurrence_in_place(S, spans, wk, u, qg, a_qk, decay_end, kd, entry):
+    """`_recurrence` on [A*H, ., .] views: the outputs computed into their rows (bmm out=), the corrections and the
+    state update added in place (no copies of u, o or S); `entry` may be None (not kept)."""
+    n, H, C, K = qg.shape
+    V = u.shape[-1]
+    oc = torch.empty(n, H, C, V, dtype=S.dtype)
+    for c0, nrun in spans:
+        sl = slice(c0, c0 + nrun)
+        S_run = S[:nrun]
+        if entry is not None:
+            entry[sl] = S_run
+        St = S_run.view(nrun * H, V, K).transpose(1, 2)  # [A*H, K, V]
+        u_r = u[sl].view(nrun * H, C, V)
+        u_r.sub_(torch.bmm(wk[sl].reshape(nrun * H, C, K), St))  # u -= W Sᵀ
+        o_r = oc[sl].view(nrun * H, C, V)
+        torch.bmm(qg[sl].reshape(nrun * H, C, K), St, out=o_r)
+        o_r.add_(torch.bmm(a_qk[sl].reshape(nrun * H, C, C), u_r))  # Qg Sᵀ + A u
+        S3 = S_run.view(nrun * H, V, K)
+        S3.mul_(decay_end[sl].reshape(nrun * H, 1, K)).add_(torch.bmm(u_r.transpose(1, 2), kd[sl].reshape(nrun * H, C, K)))
+    return oc
+
+
 def kda_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -258,16 +303,9 @@ def kda_chunked(
     slots = torch.tensor([kb.slots[b] for b in order])
     init = torch.tensor([kb.init[b] for b in order])
     S = torch.where(init[:, None, None, None], state_pool[slots], 0)  # [B, H, V, K]
-    entry = torch.empty(idx.shape[0], H, Vd, K, dtype=dt)
-    oc = torch.empty(idx.shape[0], H, C, Vd, dtype=dt)
-    for c0, nrun in spans:
-        sl = slice(c0, c0 + nrun)
-        S_run = S[:nrun]
-        entry[sl] = S_run
-        St = S_run.transpose(-1, -2)  # [A, H, K, V]
-        u[sl] -= wk[sl] @ St
-        oc[sl] = qg[sl] @ St + a_qk[sl] @ u[sl]
-        S[:nrun] = S_run * decay_end[sl] + u[sl].transpose(-1, -2) @ kd[sl]
+    entry = torch.empty(idx.shape[0], H, Vd, K, dtype=dt) if kb.ckpts or not CHUNK_IN_PLACE else None
+    form = _recurrence_in_place if CHUNK_IN_PLACE else _recurrence
+    oc = form(S, spans, wk, u, qg, a_qk, decay_end, kd, entry)
     o[idx.reshape(-1)] = oc.transpose(1, 2).reshape(-1, H, Vd)
     state_pool[slots] = S
     if kb.ckpts:  # the state after `off` tokens: from the entry state of the chunk that holds token off-1
