@@ -73,6 +73,35 @@ class StepTimer:
         return _kernel_us(prof, self.device)
 
 
+def host_profile(eng, rng: random.Random, vocab: int, C: int, device: str, top: int) -> None:
+    """One more prefill-part step (a new request of C tokens alone) under cProfile: its wall time and the `top`
+    functions by own time, in µs. On CUDA, a wait for the device shows as the op that waited (a `.tolist()`,
+    `.item()` or copy to the host), a kernel launch as Triton's or torch's launch path: where the step's wall time
+    goes beyond its kernels' time."""
+    import cProfile
+    import pstats
+
+    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    rid = eng.next_request_id()
+    eng.add_request(rid, [rng.randrange(10, vocab) for _ in range(C)], sp)
+    pr = cProfile.Profile()
+    _sync(device)
+    t0 = time.perf_counter()
+    pr.enable()
+    eng.step()
+    _sync(device)
+    pr.disable()
+    wall = (time.perf_counter() - t0) * 1e6
+    eng.abort_request([rid])
+    while eng.has_unfinished_requests():
+        eng.step()
+    stats = pstats.Stats(pr).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    print(f"# prefill step under cProfile: {wall:.0f} µs wall; top {top} functions by own time (µs, calls, cumulative)")
+    for (f, line, name), (_, calls, own, cum, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        where = f"{os.path.basename(f)}:{line}" if f != "~" else ""
+        print(f"#   {own * 1e6:9.0f}  x{calls:5d}  {cum * 1e6:9.0f}  {where} {name}"[:150])
+
+
 def print_top(name: str, prof, device: str, top: int) -> None:
     """The `top` kernels of one profiled step by time (CUDA), or ops by self time (CPU)."""
     per: dict[str, list[float]] = {}
@@ -142,6 +171,8 @@ def main() -> int:
     ap.add_argument("--moe", nargs="*", default=[], metavar="NAME=VALUE",
                     help="set kernels/triton/moe.py constants first (e.g. DOT_BM_LARGE=16), ints where they parse")
     ap.add_argument("--top", type=int, default=0, help="print the top N kernels of each step of the last repeat")
+    ap.add_argument("--host", type=int, default=0, metavar="N",
+                    help="one more prefill-part step under cProfile: print its N functions of most own time")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("mixed_step: no CUDA device here; pass --device cpu", file=sys.stderr)
@@ -172,6 +203,8 @@ def main() -> int:
             runs = [one_round(eng, rng, cfg.vocab_size, args.decodes, args.chunk, args.context, timer,
                               args.top if i == args.repeats - 1 else 0) for i in range(args.repeats)]
             res["kernels" if profiled else "wall"] = {p: statistics.median(r[p] for r in runs) for p in runs[0]}
+        if args.host > 0:
+            host_profile(eng, rng, cfg.vocab_size, args.chunk, args.device, args.host)
     what = "kernels" if args.device == "cuda" else "op self time (CPU stand-in)"
     print(f"# {args.preset} preset, {args.device}, {dtype}: {args.decodes} decodes of {args.context}-token prompts + "
           f"one {args.chunk}-token prefill chunk; median of {args.repeats}")

@@ -145,7 +145,12 @@ def test_mixed_step_smallest_run():
     the ratio column is mixed / (decode + prefill). (No ordering of the times is asserted: one repeat on a shared
     2-core machine can time the mixed step below the decode part alone.)"""
     out = _run("mixed_step.py", "--device", "cpu", "--preset", "tiny", "--chunk", "48", "--context", "16",
-               "--repeats", "1")
+               "--repeats", "1", "--host", "5")
+    # --host 5: one more prefill step under cProfile, its 5 functions of most own time, the forward's ops among them
+    m = re.search(r"# prefill step under cProfile: (\d+) µs wall; top 5 functions.*\n((?:#   .*\n){5})", out)
+    assert m and int(m.group(1)) > 0, out
+    owns = [float(ln.split()[1]) for ln in m.group(2).splitlines()]
+    assert owns == sorted(owns, reverse=True) and owns[0] > 0, m.group(2)
     headers, rows = _table(out, "measure")
     assert headers[-1] == "mixed / (decode + prefill)"
     assert [r[0] for r in rows] == ["wall", "op self time (CPU stand-in)"]
