@@ -89,6 +89,34 @@ def test_tiny_engine_on_cuda(tiny_model_dir, tiny_ref, dtype, graphs):
     assert exact >= EXACT[dtype] * total, f"{exact}/{total} tokens are the reference argmax"
 
 
+def test_tiny_engine_bf16_prefill_kernels(tiny_model_dir, tiny_ref, monkeypatch):
+    """bf16 prompts long enough for the prefill-shaped kernels: the MoE "dense" variant (experts decoded once) and
+    the MLA prefill kernel (tokens x heads per program) both run, and every token passes the teacher-forced check
+    against the float64 reference."""
+    from k3serve.kernels.triton import mla_decode, moe
+
+    calls = {"dense": 0, "mla_prefill": 0}
+    real_dense, real_mla = moe.mxfp4_to_dense, mla_decode._mla_prefill_kernel
+
+    def dense(*a, **k):
+        calls["dense"] += 1
+        return real_dense(*a, **k)
+
+    class MLA:
+        def __getitem__(self, grid):
+            calls["mla_prefill"] += 1
+            return real_mla[grid]
+
+    monkeypatch.setattr(moe, "mxfp4_to_dense", dense)
+    monkeypatch.setattr(mla_decode, "_mla_prefill_kernel", MLA())
+    prompts = [p + [7] * 300 for p in prompts_for(5, 4, tiny_ref.cfg.vocab_size, hi=200)]
+    outs, _ = run_engine(tiny_model_dir, prompts, 12, dtype="bfloat16", max_num_seqs=8)
+    assert calls["dense"] > 0 and calls["mla_prefill"] > 0, calls
+    noise_ref = load_reference_model(str(tiny_model_dir), dtype=torch.bfloat16, device="cuda")
+    exact, total = teacher_forced_check(tiny_ref, prompts, outs, noise_ref)
+    assert exact >= EXACT["bfloat16"] * total, f"{exact}/{total} tokens are the reference argmax"
+
+
 def test_tiny_engine_cuda_prefix_cache_and_preemption(tiny_model_dir, tiny_ref):
     """Multi-turn sessions sharing a long prefix, prefix caching on (dense retention), a pool barely above
     one request's minimum with 32-token pages (preemption by recompute), chunked prefill of 96 tokens."""
