@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -30,8 +31,22 @@ TRITON = "triton"
 _AUTOLOAD_MODULE = "k3serve.kernels.triton_ops"
 _registry: dict[str, dict[str, Callable]] = {TRITON: {}}
 _autoload_done = False
-_pinned_mode: str | None = None  # K3SERVE_KERNELS as read by the outermost open `pinned_kernels()`, else None
-_pinned_impls: dict[tuple[str, bool], Callable] = {}  # (op name, CUDA tensor) -> implementation, while pinned
+_generation = [0]  # bumped by every registration change: pinned choices made before it are forgotten
+
+
+class _Pin(threading.local):
+    """One thread's pin (see `pinned_kernels`): the pinned K3SERVE_KERNELS value (None: not pinned) and the
+    choices made under it, {(op name, CUDA tensor): implementation}, valid for registry generation `generation`.
+    Per thread, so an engine thread's open pin never steers another thread's ops (a test that set the variable,
+    another engine)."""
+
+    def __init__(self):
+        self.mode: str | None = None
+        self.impls: dict[tuple[str, bool], Callable] = {}
+        self.generation = 0
+
+
+_pin = _Pin()
 
 
 def register_impl(name: str, fn: Callable, backend: str = TRITON) -> None:
@@ -39,13 +54,13 @@ def register_impl(name: str, fn: Callable, backend: str = TRITON) -> None:
     if name not in reference.OPS:
         raise ValueError(f"unknown kernel op {name!r}")
     _registry.setdefault(backend, {})[name] = fn
-    _pinned_impls.clear()
+    _generation[0] += 1
 
 
 def unregister_impl(name: str, backend: str = TRITON) -> None:
     """Remove a registration (no-op if absent)."""
     _registry.get(backend, {}).pop(name, None)
-    _pinned_impls.clear()
+    _generation[0] += 1
 
 
 def registered(backend: str = TRITON) -> dict[str, Callable]:
@@ -65,37 +80,53 @@ def _autoload() -> None:
             raise
 
 
+def pinned_mode() -> str | None:
+    """The K3SERVE_KERNELS value this thread's open `pinned_kernels()` pinned, or None outside every block."""
+    return _pin.mode
+
+
+def pinned_choices() -> dict[tuple[str, bool], Callable]:
+    """A copy of this thread's remembered choices still valid ({} after a registration change or outside a block)."""
+    return dict(_pin.impls) if _pin.generation == _generation[0] else {}
+
+
 def _mode() -> str:
-    """K3SERVE_KERNELS: the value pinned by an open `pinned_kernels()`, else read from the environment now."""
-    return _pinned_mode if _pinned_mode is not None else os.environ.get("K3SERVE_KERNELS", "")
+    """K3SERVE_KERNELS: the value pinned by this thread's open `pinned_kernels()`, else read from the environment."""
+    mode = _pin.mode
+    return mode if mode is not None else os.environ.get("K3SERVE_KERNELS", "")
 
 
 @contextlib.contextmanager
 def pinned_kernels() -> Iterator[None]:
-    """Within the block, ops dispatch on K3SERVE_KERNELS as read on entry and remember each op's implementation
-    (a registration change forgets them). Nested blocks (and blocks entered while another thread's is open) keep
-    the outer pin; outside every block each op call reads the environment, so tests may set it at any time."""
-    global _pinned_mode
-    if _pinned_mode is not None:
+    """Within the block, ops called from this thread dispatch on K3SERVE_KERNELS as read on entry and remember each
+    op's implementation (a registration change forgets them). Nested blocks keep the outer pin; other threads are
+    not pinned by it; outside every block each op call reads the environment, so tests may set it at any time."""
+    pin = _pin
+    if pin.mode is not None:
         yield
         return
-    _pinned_impls.clear()
-    _pinned_mode = os.environ.get("K3SERVE_KERNELS", "")
+    pin.impls.clear()
+    pin.generation = _generation[0]
+    pin.mode = os.environ.get("K3SERVE_KERNELS", "")
     try:
         yield
     finally:
-        _pinned_mode = None
-        _pinned_impls.clear()
+        pin.mode = None
+        pin.impls.clear()
 
 
 def _impl(name: str, tensor: torch.Tensor) -> Callable:
     """The implementation of op `name` for data living where `tensor` lives."""
-    if _pinned_mode is None:
+    pin = _pin
+    if pin.mode is None:
         return _choose(name, tensor.is_cuda, os.environ.get("K3SERVE_KERNELS", ""))
+    if pin.generation != _generation[0]:
+        pin.impls.clear()
+        pin.generation = _generation[0]
     key = (name, tensor.is_cuda)
-    fn = _pinned_impls.get(key)
+    fn = pin.impls.get(key)
     if fn is None:
-        fn = _pinned_impls[key] = _choose(name, tensor.is_cuda, _mode())
+        fn = pin.impls[key] = _choose(name, tensor.is_cuda, pin.mode)
     return fn
 
 
@@ -415,4 +446,5 @@ for _name in reference.OPS:  # the wrappers document themselves with the referen
     globals()[_name].__doc__ = getattr(reference, _name).__doc__
 del _name
 
-__all__ = [*reference.OPS, "kda_verify", "pinned_kernels", "register_impl", "unregister_impl", "registered"]
+__all__ = [*reference.OPS, "kda_verify", "pinned_choices", "pinned_kernels", "pinned_mode", "register_impl",
+           "unregister_impl", "registered"]

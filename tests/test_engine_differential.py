@@ -81,11 +81,11 @@ def test_forward_pins_the_kernel_choice(tiny_model_dir, monkeypatch):
     real = reference.rms_norm
 
     def spy(*a, **k):
-        seen.append(ops._pinned_mode)
+        seen.append(ops.pinned_mode())
         return real(*a, **k)
 
     monkeypatch.setattr(reference, "rms_norm", spy)  # rms_norm has no CPU form: every call comes here
     monkeypatch.setenv("K3SERVE_KERNELS", "reference")
     _check(tiny_model_dir, random_prompts(2, 4, 576, 3, 20), max_model_len=64)
     assert seen and set(seen) == {"reference"}
-    assert ops._pinned_mode is None
+    assert ops.pinned_mode() is None

@@ -337,7 +337,7 @@ def test_ops_pinned_kernels_reads_the_mode_once(monkeypatch):
         assert ops._impl("kda_chunked", z) is cpu.kda_chunked
         ops.register_impl("rms_norm", reference.rms_norm)  # any registration change: choose again (same mode)
         try:
-            assert not ops._pinned_impls
+            assert not ops.pinned_choices()
             assert ops._impl("moe_experts", z) is cpu.moe_experts
         finally:
             ops.unregister_impl("rms_norm")
@@ -347,7 +347,40 @@ def test_ops_pinned_kernels_reads_the_mode_once(monkeypatch):
         monkeypatch.delenv("K3SERVE_KERNELS")
         assert ops._impl("moe_experts", z) is reference.moe_experts
     assert ops._impl("moe_experts", z) is cpu.moe_experts
-    assert ops._pinned_mode is None and not ops._pinned_impls
+    assert ops.pinned_mode() is None and not ops.pinned_choices()
+
+
+def test_ops_pinned_kernels_is_per_thread(monkeypatch):
+    """A pin held open by one thread (an engine's forward) does not steer another thread's ops: the other thread
+    reads the environment as it is now (the full suite once ran a test that set K3SERVE_KERNELS while a background
+    engine's forward held the pin)."""
+    import threading
+
+    z = torch.randn(2, 4)
+    monkeypatch.delenv("K3SERVE_KERNELS", raising=False)
+    opened, release, seen = threading.Event(), threading.Event(), []
+
+    def engine_thread():
+        with ops.pinned_kernels():
+            seen.append(ops._impl("moe_experts", z))
+            opened.set()
+            release.wait(10)
+            seen.append(ops._impl("moe_experts", z))  # still its own pin after the main thread's changes
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    try:
+        assert opened.wait(10)
+        monkeypatch.setenv("K3SERVE_KERNELS", "reference")
+        assert ops.pinned_mode() is None
+        assert ops._impl("moe_experts", z) is reference.moe_experts
+        with ops.pinned_kernels():
+            assert ops.pinned_mode() == "reference"
+            assert ops._impl("moe_experts", z) is reference.moe_experts
+    finally:
+        release.set()
+        t.join(10)
+    assert seen == [cpu.moe_experts, cpu.moe_experts]
 
 
 def test_ops_pinned_kernels_released_on_error(monkeypatch):
