@@ -41,6 +41,42 @@ def test_chunk_plan_cuts_at_checkpoints():
     assert plan.extra_copies == [(7, 6)]
 
 
+def test_plans_built_once_per_group_and_step(monkeypatch):
+    """The engine calls the KDA layers of a step group by group in turn (layers 0, 1, 2 in groups 1, 2, 3: each group
+    its own state slots, the same cu_seqlens): every group's plan is built once, reused for its later layers, rebuilt
+    after an in-place write to an argument; with one cached plan (PLAN_CACHE_SIZE = 1) every layer rebuilds.
+    Every layer's output and states == the reference."""
+    from k3serve.kernels.triton import kda_chunk
+
+    lens = [21, 5, 40]
+    cu = cu_of(lens)
+    init = torch.tensor([True, False, True])
+    groups = [torch.tensor([0, 1, 2]), torch.tensor([5, 3, 4]), torch.tensor([8, 7, 6])]
+    pool = torch.randn(9, H, V, K)
+    ref_pool = pool.double()
+
+    def layer(si, seed):
+        q, k, v, gg, beta = inputs(lens, seed)
+        ref = R.kda_chunked(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu, init)
+        out = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu, init)
+        assert rel(out, ref) < 1e-5 and rel(pool, ref_pool) < 1e-5
+
+    def builds(n_layers):
+        before = kda_chunk.PLAN_BUILDS[0]
+        for i in range(n_layers):
+            layer(groups[i % 3], i)
+        return kda_chunk.PLAN_BUILDS[0] - before
+
+    monkeypatch.setattr(kda_chunk, "_PLANS", [])
+    assert builds(6) == 3  # two layers per group, one build per group
+    assert builds(3) == 0  # same tensors, same versions: all reused
+    groups[1][0] = 5  # an in-place write (same value) bumps the version: that group's plan is rebuilt
+    assert builds(3) == 1
+    monkeypatch.setattr(kda_chunk, "PLAN_CACHE_SIZE", 1)
+    monkeypatch.setattr(kda_chunk, "_PLANS", [])
+    assert builds(6) == 6  # only the last call's plan kept: every layer of the next group misses
+
+
 def check_chunked(lower_bound, a_log_scale, **kw):
     # ragged, a zero-length and a padded sequence, slot reuse, checkpoints mid-chunk / at chunk ends / at
     # the end; a_log_scale 6 makes decays strong enough for the exact pairwise diagonal path

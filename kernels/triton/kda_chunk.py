@@ -1170,7 +1170,13 @@ class ChunkPlan:
         self.seq_first = first.to(device=device, dtype=torch.int32)
 
 
-_LAST_PLAN: list = [None]  # (refs, versions, T, device, plan tuple) of the last call: see _call_plan
+PLAN_CACHE_SIZE = 8
+"""Plans kept by `_call_plan`: one per KDA cache group of a step (a layout has a few groups, each with its own
+state slots, and consecutive KDA layers belong to different groups), so every group's plan is built once per
+engine step, not once per layer. 1 keeps only the last call's (session 8's behaviour: 18 builds per step of the
+small preset, each with its host reads)."""
+_PLANS: list = []  # (refs, versions, T, device, plan tuple), most recent first: see _call_plan
+PLAN_BUILDS = [0]  # plans built so far (tests count them)
 
 
 def _call_plan(T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_seq, checkpoint_offsets,
@@ -1178,20 +1184,24 @@ def _call_plan(T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_
     """The host-side view of a call's batch: (cu list, B, ChunkPlan, slots and has-initial-state as int32 on dev).
 
     Building it reads cu_seqlens / slots / flags (/ checkpoints) back from the device (host syncs) and copies the
-    chunk grid to it. The engine passes the SAME tensors to every KDA layer of a step, so the result of the last
-    call is kept and reused while every argument is the very same tensor object (weak references; a freed and
-    re-allocated tensor never matches) at the same version counter (an in-place write invalidates it): one build
-    per engine step instead of one per layer. Sequences passed as Python lists are never cached.
+    chunk grid to it. The engine passes the SAME tensors to every KDA layer of one cache group in a step, so the
+    results of the last PLAN_CACHE_SIZE calls are kept and one is reused while every argument is the very same
+    tensor object (weak references; a freed and re-allocated tensor never matches) at the same version counter (an
+    in-place write invalidates it): one build per group and engine step instead of one per layer. Sequences passed
+    as Python lists are never cached.
     """
     args = (cu_seqlens, state_indices, has_initial_state, checkpoint_seq, checkpoint_offsets, checkpoint_slots)
     cacheable = all(a is None or isinstance(a, torch.Tensor) for a in args)
     if cacheable:
         versions = tuple(None if a is None else a._version for a in args)
-        last = _LAST_PLAN[0]
-        if last is not None and last[2] == T and last[3] == dev and last[1] == versions and all(
-            (r is None and a is None) or (r is not None and r() is a) for r, a in zip(last[0], args)
-        ):
-            return last[4]
+        for i, entry in enumerate(_PLANS):
+            if entry[2] == T and entry[3] == dev and entry[1] == versions and all(
+                (r is None and a is None) or (r is not None and r() is a) for r, a in zip(entry[0], args)
+            ):
+                if i:
+                    _PLANS.insert(0, _PLANS.pop(i))
+                return entry[4]
+    PLAN_BUILDS[0] += 1
     cu = _varlen.seq_starts(cu_seqlens)
     if cu[-1] > T:
         raise ValueError(f"cu_seqlens ends at {cu[-1]} but there are only {T} tokens")
@@ -1206,7 +1216,8 @@ def _call_plan(T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_
     result = (cu, B, plan, slots_t, init_t)
     if cacheable:
         refs = tuple(None if a is None else weakref.ref(a) for a in args)
-        _LAST_PLAN[0] = (refs, versions, T, dev, result)
+        _PLANS.insert(0, (refs, versions, T, dev, result))
+        del _PLANS[max(1, PLAN_CACHE_SIZE):]
     return result
 
 
