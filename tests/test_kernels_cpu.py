@@ -212,15 +212,27 @@ def test_causal_conv1d_equals_reference(seed, dtype, shifted, monkeypatch):
     x = torch.randn(sum(lens), C, generator=gen, dtype=F64).to(dtype)
     w = torch.randn(C, 1, W, generator=gen, dtype=F64).to(dtype)
     states = torch.randn(2 * B + 6, C, W - 1, generator=gen, dtype=F64).to(dtype)
+    _check_conv(x, w, states, _conv_kw(lens, slots, init, ckpt), dtype)
+
+
+def _conv_kw(lens, slots, init, ckpt) -> dict:
+    """causal_conv1d_varlen's batch arguments; `ckpt`: (sequence, offset, slot) checkpoints."""
     kw = dict(state_indices=torch.tensor(slots), cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()),
-              has_initial_state=init)
+              has_initial_state=torch.as_tensor(init))
     if ckpt:
         kw.update(checkpoint_seq=torch.tensor([c[0] for c in ckpt]), checkpoint_offsets=torch.tensor([c[1] for c in ckpt]),
                   checkpoint_slots=torch.tensor([c[2] for c in ckpt]))
+    return kw
+
+
+def _check_conv(x, w, states, kw, dtype) -> None:
+    """The CPU conv == the reference (outputs, shape and dtype, every pool row), with and without the SiLU."""
     for act in ("silu", None):
         s_ref, s_cpu = states.clone(), states.clone()
         want = reference.causal_conv1d_varlen(x, w, s_ref, activation=act, **kw)
-        _close(cpu.causal_conv1d_varlen(x, w, s_cpu, activation=act, **kw), want, dtype)
+        got = cpu.causal_conv1d_varlen(x, w, s_cpu, activation=act, **kw)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        _close(got, want, dtype)
         _close(s_cpu, s_ref, dtype)
 
 
@@ -249,18 +261,7 @@ def test_causal_conv1d_forms_edge_cases(case, dtype, shifted, monkeypatch):
     x = torch.randn(sum(lens) + extra, C, generator=gen, dtype=F64).to(dtype)
     w = torch.randn(C, W, generator=gen, dtype=F64).to(dtype)
     states = torch.randn(16, C, W - 1, generator=gen, dtype=F64).to(dtype)
-    kw = dict(state_indices=torch.tensor(slots), cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()),
-              has_initial_state=torch.tensor(init))
-    if ckpt:
-        kw.update(checkpoint_seq=torch.tensor([c[0] for c in ckpt]), checkpoint_offsets=torch.tensor([c[1] for c in ckpt]),
-                  checkpoint_slots=torch.tensor([c[2] for c in ckpt]))
-    for act in ("silu", None):
-        s_ref, s_cpu = states.clone(), states.clone()
-        want = reference.causal_conv1d_varlen(x, w, s_ref, activation=act, **kw)
-        got = cpu.causal_conv1d_varlen(x, w, s_cpu, activation=act, **kw)
-        assert got.shape == want.shape and got.dtype == want.dtype
-        _close(got, want, dtype)
-        _close(s_cpu, s_ref, dtype)
+    _check_conv(x, w, states, _conv_kw(lens, slots, init, ckpt), dtype)
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
