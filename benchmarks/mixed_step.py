@@ -81,25 +81,124 @@ def host_profile(eng, rng: random.Random, vocab: int, C: int, device: str, top: 
     import cProfile
     import pstats
 
-    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    rid = eng.next_request_id()
-    eng.add_request(rid, [rng.randrange(10, vocab) for _ in range(C)], sp)
     pr = cProfile.Profile()
-    _sync(device)
-    t0 = time.perf_counter()
-    pr.enable()
-    eng.step()
-    _sync(device)
-    pr.disable()
-    wall = (time.perf_counter() - t0) * 1e6
-    eng.abort_request([rid])
-    while eng.has_unfinished_requests():
+    box = {}
+
+    def run():
+        t0 = time.perf_counter()
+        pr.enable()
         eng.step()
+        _sync(device)
+        pr.disable()
+        box["wall"] = (time.perf_counter() - t0) * 1e6
+
+    _solo_prefill(eng, rng, vocab, C, device, run)
+    wall = box["wall"]
     stats = pstats.Stats(pr).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
     print(f"# prefill step under cProfile: {wall:.0f} µs wall; top {top} functions by own time (µs, calls, cumulative)")
     for (f, line, name), (_, calls, own, cum, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
         where = f"{os.path.basename(f)}:{line}" if f != "~" else ""
         print(f"#   {own * 1e6:9.0f}  x{calls:5d}  {cum * 1e6:9.0f}  {where} {name}"[:150])
+
+
+def _solo_prefill(eng, rng: random.Random, vocab: int, C: int, device: str, run) -> None:
+    """Add a request of C tokens alone, call `run()` around its first step (synchronized before), abort it."""
+    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    rid = eng.next_request_id()
+    eng.add_request(rid, [rng.randrange(10, vocab) for _ in range(C)], sp)
+    _sync(device)
+    run()
+    eng.abort_request([rid])
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def _repo_site(stack) -> str:
+    """The innermost frame of this repository in `stack` (traceback.extract_stack order), as path:line code."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for f in reversed(stack):
+        if f.filename.startswith(root) and "benchmarks" not in f.filename:
+            return f"{os.path.relpath(f.filename, root)}:{f.lineno} {(f.line or '').strip()[:70]}"
+    return "?"
+
+
+def sync_census(eng, rng: random.Random, vocab: int, C: int, top: int) -> None:
+    """Where a prefill step (C tokens alone) makes the host wait for the device, two ways (CUDA only):
+
+    * torch.cuda.set_sync_debug_mode("warn") for one step: every synchronizing call (a copy to the host, `.item()`,
+      a copy from pageable host memory) warns; the warnings are counted by the innermost frame of this repository;
+    * one step under torch.profiler with CPU and CUDA activity: the CUDA runtime calls' host time by name (a long
+      cudaStreamSynchronize / cudaMemcpyAsync is the host waiting; a long launch call, a full launch queue), the
+      union of the kernels' busy time against the step's span, and when the last kernel launch left the host
+      (near the span's end: the host, not the device, sets the pace)."""
+    import traceback
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sites: dict[str, int] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        site = _repo_site(traceback.extract_stack()[:-1])
+        sites[site] = sites.get(site, 0) + 1
+
+    def debug_step():
+        with warnings.catch_warnings():  # restores warnings.showwarning and the filters on exit
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                eng.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        _sync("cuda")
+
+    _solo_prefill(eng, rng, vocab, C, "cuda", debug_step)
+    print(f"# prefill step: {sum(sites.values())} synchronizing calls at {len(sites)} sites; top {top}")
+    for site, n in sorted(sites.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"#   x{n:4d}  {site}"[:150])
+    box = {}
+
+    def profiled_step():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            eng.step()
+            _sync("cuda")
+            box["wall"] = (time.perf_counter() - t0) * 1e6
+        box["prof"] = prof
+
+    _solo_prefill(eng, rng, vocab, C, "cuda", profiled_step)
+    evs = box["prof"].events()
+    api: dict[str, list[float]] = {}
+    kernels, launches = [], []
+    for ev in evs:
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append((ev.time_range.start, ev.time_range.end))
+        elif ev.name.startswith(("cuda", "cu")) and not ev.name.startswith("cudnn"):
+            e = api.setdefault(ev.name, [0.0, 0])
+            e[0] += ev.time_range.end - ev.time_range.start
+            e[1] += 1
+            if "Launch" in ev.name:
+                launches.append(ev.time_range.end)
+    kernels.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in kernels:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    if kernels and launches:
+        start, end = kernels[0][0], kernels[-1][1]
+        print(f"# prefill step under the profiler: {box['wall']:.0f} µs wall; kernels busy {busy:.0f} µs of the "
+              f"{end - start:.0f} µs from the first kernel's start to the last's end; the last launch left the host "
+              f"{end - max(launches):.0f} µs before the last kernel ended")
+    print("# CUDA runtime calls by host time (µs, calls)")
+    for name, (t, n) in sorted(api.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"#   {t:9.0f}  x{n:5d}  {name}")
 
 
 def print_top(name: str, prof, device: str, top: int) -> None:
@@ -171,6 +270,9 @@ def main() -> int:
     ap.add_argument("--moe", nargs="*", default=[], metavar="NAME=VALUE",
                     help="set kernels/triton/moe.py constants first (e.g. DOT_BM_LARGE=16), ints where they parse")
     ap.add_argument("--top", type=int, default=0, help="print the top N kernels of each step of the last repeat")
+    ap.add_argument("--syncs", type=int, default=0, metavar="N",
+                    help="CUDA: two more prefill-part steps, one in sync-debug mode (the N call sites that made the "
+                         "host wait) and one under the profiler (runtime calls' host time, kernel busy time)")
     ap.add_argument("--host", type=int, default=0, metavar="N",
                     help="one more prefill-part step under cProfile: print its N functions of most own time")
     args = ap.parse_args()
@@ -203,6 +305,8 @@ def main() -> int:
             runs = [one_round(eng, rng, cfg.vocab_size, args.decodes, args.chunk, args.context, timer,
                               args.top if i == args.repeats - 1 else 0) for i in range(args.repeats)]
             res["kernels" if profiled else "wall"] = {p: statistics.median(r[p] for r in runs) for p in runs[0]}
+        if args.syncs > 0 and args.device == "cuda":
+            sync_census(eng, rng, cfg.vocab_size, args.chunk, args.syncs)
         if args.host > 0:
             host_profile(eng, rng, cfg.vocab_size, args.chunk, args.device, args.host)
     what = "kernels" if args.device == "cuda" else "op self time (CPU stand-in)"
