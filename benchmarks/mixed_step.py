@@ -130,7 +130,8 @@ def sync_census(eng, rng: random.Random, vocab: int, C: int, top: int) -> None:
     * one step under torch.profiler with CPU and CUDA activity: the CUDA runtime calls' host time by name (a long
       cudaStreamSynchronize / cudaMemcpyAsync is the host waiting; a long launch call, a full launch queue), the
       union of the kernels' busy time against the step's span, and when the last kernel launch left the host
-      (near the span's end: the host, not the device, sets the pace)."""
+      (near the span's end: the host, not the device, sets the pace);
+    * the caching allocator's counters over the step (retries, device allocations and frees: each a sync)."""
     import traceback
     import warnings
 
@@ -153,7 +154,14 @@ def sync_census(eng, rng: random.Random, vocab: int, C: int, top: int) -> None:
                 torch.cuda.set_sync_debug_mode("default")
         _sync("cuda")
 
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    before = torch.cuda.memory_stats()
     _solo_prefill(eng, rng, vocab, C, "cuda", debug_step)
+    after = torch.cuda.memory_stats()
+    print("# allocator during that step (a retry frees every cached block: a device-wide sync): "
+          + ", ".join(f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in keys)
+          + f"; reserved {after.get('reserved_bytes.all.current', 0) / 2**30:.2f} GiB, "
+          f"free on the device {torch.cuda.mem_get_info()[0] / 2**30:.2f} GiB")
     print(f"# prefill step: {sum(sites.values())} synchronizing calls at {len(sites)} sites; top {top}")
     for site, n in sorted(sites.items(), key=lambda kv: -kv[1])[:top]:
         print(f"#   x{n:4d}  {site}"[:150])
