@@ -247,7 +247,10 @@ def kda_chunked(
     checkpoint_offsets=None,
     checkpoint_slots=None,
     chunk_size=64,
+    host=None,
 ):
+    """`host`: an optional kernels/reference/_varlen.py HostVarlen with the index arguments as lists (the Triton form
+    then reads nothing back from the device)."""
     return _impl("kda_chunked", q)(
         q,
         k,
@@ -264,6 +267,7 @@ def kda_chunked(
         checkpoint_offsets=checkpoint_offsets,
         checkpoint_slots=checkpoint_slots,
         chunk_size=chunk_size,
+        host=host,
     )
 
 

@@ -89,3 +89,40 @@ def test_forward_pins_the_kernel_choice(tiny_model_dir, monkeypatch):
     _check(tiny_model_dir, random_prompts(2, 4, 576, 3, 20), max_model_len=64)
     assert seen and set(seen) == {"reference"}
     assert ops.pinned_mode() is None
+
+
+def test_kda_host_lists_match_the_device_tensors(tiny_model_dir, monkeypatch):
+    """Every chunked KDA call of the engine gets the group's host lists (`host=`, kernels/reference/_varlen.py
+    HostVarlen: what lets the Triton form skip reading the indices back on CUDA), equal to the tensors passed beside
+    them, in-pass snapshot checkpoints included; one HostVarlen per group and step, shared by the group's layers.
+    Greedy tokens still equal the reference."""
+    from k3serve.kernels import ops
+
+    real = ops.kda_chunked
+    calls = []
+
+    def spy(q, k, v, g, beta, pool, si, cu, init, *, host=None, **kw):
+        assert host is not None
+        assert host.cu_seqlens == cu.tolist() and host.state_indices == si.tolist()
+        assert host.has_initial_state == init.tolist()
+        for name in ("checkpoint_seq", "checkpoint_offsets", "checkpoint_slots"):
+            t = kw.get(name)
+            assert getattr(host, name) == (None if t is None else t.tolist()), name
+        calls.append((host, kw.get("checkpoint_seq") is not None))  # kept alive: ids below stay unique
+        return real(q, k, v, g, beta, pool, si, cu, init, host=host, **kw)
+
+    monkeypatch.setattr(ops, "kda_chunked", spy)
+    shared = random_prompts(5, 1, 576, 40, 40)[0]
+    prompts = [shared + p for p in random_prompts(6, 6, 576, 5, 30)]
+    _check(tiny_model_dir, prompts, max_model_len=128, max_num_batched_tokens=48, max_num_seqs=6, block_size=16,
+           enable_prefix_caching=True)
+    assert any(ck for _, ck in calls), "prefix caching was meant to export snapshots mid-prefill"
+    from k3serve.workers.model.config import K3Config
+
+    cfg = K3Config.from_pretrained(str(tiny_model_dir))
+    per_host = {}
+    for h, _ in calls:
+        per_host[id(h)] = per_host.get(id(h), 0) + 1
+    n_kda = sum(cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
+    assert max(per_host.values()) > 1 and sum(per_host.values()) == len(calls)
+    assert all(n <= n_kda for n in per_host.values())

@@ -77,6 +77,55 @@ def test_plans_built_once_per_group_and_step(monkeypatch):
     assert builds(6) == 6  # only the last call's plan kept: every layer of the next group misses
 
 
+def test_host_lists_replace_device_reads(monkeypatch):
+    """With `host` (the engine's HostVarlen: the index arguments as lists) the chunk grid comes from the lists: output
+    and states equal the call without it and the reference, checkpoints included; the plan is built once per HostVarlen
+    (its memo), for every layer of the group; nothing of the tensors passed beside it is read back (`seq_starts` and
+    `int_list` only ever see lists); and a new HostVarlen (the next step) builds again."""
+    from k3serve.kernels.reference import _varlen
+    from k3serve.kernels.triton import kda_chunk
+
+    lens = [70, 13, 0, 1, 40]
+    cu, si = cu_of(lens), torch.tensor([6, 2, 4, -1, 7])
+    init = torch.tensor([True, False, True, False, True])
+    ck = dict(checkpoint_seq=torch.tensor([0, 0, 4, 4, 1]), checkpoint_offsets=torch.tensor([3, 64, 17, 40, 13]),
+              checkpoint_slots=torch.tensor([1, 3, 5, 8, 9]))
+    host = _varlen.HostVarlen(cu.tolist(), si.tolist(), init.tolist(), *(t.tolist() for t in ck.values()))
+    pool = torch.randn(12, H, V, K)
+    pool_host, ref_pool = pool.clone(), pool.double()
+    seen = []
+    for name in ("seq_starts", "int_list"):
+        orig = getattr(_varlen, name)
+        monkeypatch.setattr(_varlen, name, lambda t, *a, _o=orig, **k: seen.append(type(t)) or _o(t, *a, **k))
+    before = kda_chunk.PLAN_BUILDS[0]
+    for layer in range(3):
+        q, k, v, gg, beta = inputs(lens, 10 + layer)
+        ref = R.kda_chunked(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu, init,
+                            **ck)
+        seen.clear()
+        with_host = kda_chunked_triton(q, k, v, gg, beta, pool_host, si, cu, init, **ck, host=host)
+        assert all(t is list for t in seen), seen
+        plain = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu, init, **ck)
+        assert torch.equal(with_host, plain) and torch.equal(pool_host, pool)
+        assert rel(with_host, ref) < 1e-5 and rel(pool_host, ref_pool) < 1e-5
+    assert list(host.memo) == [("kda_chunk", sum(lens), torch.device("cpu"))]
+    builds = kda_chunk.PLAN_BUILDS[0] - before
+    assert builds == 2  # one from the lists for all three layers, one (cached) for the tensor calls
+    nxt = _varlen.HostVarlen(cu.tolist(), si.tolist(), init.tolist())
+    q, k, v, gg, beta = inputs(lens, 20)
+    kda_chunked_triton(q, k, v, gg, beta, pool_host, si, cu, init, host=nxt)
+    assert kda_chunk.PLAN_BUILDS[0] - before == 3
+
+
+def test_upload_int32_packs_aligned_parts():
+    from k3serve.kernels.triton.kda_chunk import upload_int32
+
+    a, b, c = upload_int32([torch.arange(5), [7, -1], torch.tensor([], dtype=torch.int64)], torch.device("cpu"))
+    assert a.tolist() == [0, 1, 2, 3, 4] and b.tolist() == [7, -1] and c.numel() == 0
+    assert all(t.dtype == torch.int32 for t in (a, b, c))
+    assert b.storage_offset() * 4 % 16 == 0 and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+
+
 def check_chunked(lower_bound, a_log_scale, **kw):
     # ragged, a zero-length and a padded sequence, slot reuse, checkpoints mid-chunk / at chunk ends / at
     # the end; a_log_scale 6 makes decays strong enough for the exact pairwise diagonal path

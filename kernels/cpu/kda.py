@@ -250,7 +250,9 @@ def kda_chunked(
     checkpoint_offsets: torch.Tensor | None = None,
     checkpoint_slots: torch.Tensor | None = None,
     chunk_size: int = 64,
+    host=None,
 ) -> torch.Tensor:
+    # `host` (kernels/reference/_varlen.py HostVarlen): not needed on the CPU, where reading the indices is free
     args = (q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state)
     kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, checkpoint_seq=checkpoint_seq,
               checkpoint_offsets=checkpoint_offsets, checkpoint_slots=checkpoint_slots)

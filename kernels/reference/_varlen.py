@@ -6,6 +6,7 @@ Plain data only; nothing here touches a state pool.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +57,25 @@ def bool_list(t: torch.Tensor | Sequence[bool] | None, n: int, what: str) -> lis
     return vals
 
 
+@dataclass(eq=False)
+class HostVarlen:
+    """Host copies (plain lists) of a variable-length call's index arguments, for ONE cache group of one step.
+
+    The engine has these on the host anyway (workers/engine/model_runner.py `InputPreparer.prepare` writes the device
+    tensors from them); a kernel given them (`host=` of `kda_chunked`) builds its launch grid from the lists instead of
+    reading the device tensors back, which on CUDA is a host sync each. They must hold the same values as the tensors
+    passed beside them. `memo` keeps what a kernel derived from them (kernels/triton/kda_chunk.py: its chunk plan), so
+    every layer of the group reuses one build; it lives and dies with the step's batch."""
+
+    cu_seqlens: list[int]
+    state_indices: list[int]
+    has_initial_state: list[bool]
+    checkpoint_seq: list[int] | None = None
+    checkpoint_offsets: list[int] | None = None
+    checkpoint_slots: list[int] | None = None
+    memo: dict = field(default_factory=dict, repr=False)
+
+
 def checkpoints_by_seq(
     checkpoint_seq: torch.Tensor | None,
     checkpoint_offsets: torch.Tensor | None,
@@ -67,14 +87,14 @@ def checkpoints_by_seq(
     """Group the checkpoint request triples by sequence.
 
     Returns {b: [(offset, slot), ...]} sorted by offset. Offsets must lie in [min_offset, len_b].
-    All three tensors must be given together (LongTensor [N]) or all be None.
+    All three must be given together (LongTensor [N] or lists) or all be None.
     """
     given = [t is not None for t in (checkpoint_seq, checkpoint_offsets, checkpoint_slots)]
     if not any(given):
         return {}
     if not all(given):
         raise ValueError("checkpoint_seq, checkpoint_offsets and checkpoint_slots go together")
-    seqs = [int(v) for v in checkpoint_seq.tolist()]
+    seqs = [int(v) for v in (checkpoint_seq.tolist() if isinstance(checkpoint_seq, torch.Tensor) else checkpoint_seq)]
     n = len(seqs)
     offs = int_list(checkpoint_offsets, n, "checkpoint_offsets")
     slots = int_list(checkpoint_slots, n, "checkpoint_slots")

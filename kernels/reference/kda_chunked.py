@@ -77,11 +77,13 @@ def kda_chunked(
     checkpoint_offsets: torch.Tensor | None = None,
     checkpoint_slots: torch.Tensor | None = None,
     chunk_size: int = 64,
+    host=None,
 ) -> torch.Tensor:
     """Chunked KDA; same contract and result as `kda_recurrent` (see it), plus `chunk_size` (>= 1).
 
     Chunks start at each sequence's first token and are `chunk_size` long (the last may be shorter);
-    checkpoints do not move chunk boundaries.
+    checkpoints do not move chunk boundaries. `host` (a _varlen.HostVarlen, host copies of the index arguments
+    for kernels that would otherwise read them back from the device) is accepted and not needed here.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")

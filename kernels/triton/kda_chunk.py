@@ -1164,10 +1164,27 @@ class ChunkPlan:
             ck = torch.tensor(cks, dtype=torch.int64)
             first = torch.tensor(firsts, dtype=torch.int64)
         self.num_chunks = int(start.numel())
-        self.chunk_start = start.to(device=device, dtype=torch.int32)
-        self.chunk_len = length.to(device=device, dtype=torch.int32)
-        self.chunk_ckpt = ck.to(device=device, dtype=torch.int32)
-        self.seq_first = first.to(device=device, dtype=torch.int32)
+        self.chunk_start, self.chunk_len, self.chunk_ckpt, self.seq_first = upload_int32(
+            [start, length, ck, first], device)
+
+
+def upload_int32(parts: list, device: torch.device) -> list[torch.Tensor]:
+    """Host integer tensors / lists -> int32 tensors on `device`, in ONE copy. On CUDA the packed buffer is pinned
+    and copied with non_blocking=True: the host does not wait for the stream (a copy from pageable memory does).
+    Every part starts 16-byte aligned in the packed buffer (Triton specializes pointers on that)."""
+    ts = [p.to(torch.int32) if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.int32) for p in parts]
+    sizes = [t.numel() for t in ts]
+    room = [-(-n // 4) * 4 for n in sizes]
+    flat = torch.zeros(sum(room), dtype=torch.int32)
+    at = 0
+    for t, r in zip(ts, room):
+        flat[at : at + t.numel()] = t.reshape(-1)
+        at += r
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    elif flat.device != device:
+        flat = flat.to(device)
+    return [v[:n] for v, n in zip(flat.split(room), sizes)]
 
 
 PLAN_CACHE_SIZE = 8
@@ -1180,16 +1197,25 @@ PLAN_BUILDS = [0]  # plans built so far (tests count them)
 
 
 def _call_plan(T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_seq, checkpoint_offsets,
-               checkpoint_slots):
+               checkpoint_slots, host=None):
     """The host-side view of a call's batch: (cu list, B, ChunkPlan, slots and has-initial-state as int32 on dev).
 
-    Building it reads cu_seqlens / slots / flags (/ checkpoints) back from the device (host syncs) and copies the
-    chunk grid to it. The engine passes the SAME tensors to every KDA layer of one cache group in a step, so the
-    results of the last PLAN_CACHE_SIZE calls are kept and one is reused while every argument is the very same
-    tensor object (weak references; a freed and re-allocated tensor never matches) at the same version counter (an
-    in-place write invalidates it): one build per group and engine step instead of one per layer. Sequences passed
-    as Python lists are never cached.
+    With `host` (a _varlen.HostVarlen: the engine's host copies of the index arguments) it is built from those lists,
+    no device read, and kept in `host.memo` for the group's later layers. Without it, building reads cu_seqlens /
+    slots / flags (/ checkpoints) back from the device (host syncs); the engine passes the SAME tensors to every KDA
+    layer of one cache group in a step, so the results of the last PLAN_CACHE_SIZE calls are kept and one is reused
+    while every argument is the very same tensor object (weak references; a freed and re-allocated tensor never
+    matches) at the same version counter (an in-place write invalidates it): one build per group and engine step
+    instead of one per layer. Sequences passed as Python lists are never cached. Either way the device tensors are
+    uploaded in one non-blocking copy (`upload_int32`).
     """
+    if host is not None:
+        key = ("kda_chunk", T, dev)
+        hit = host.memo.get(key)
+        if hit is None:
+            hit = host.memo[key] = _build_plan(T, dev, host.cu_seqlens, host.state_indices, host.has_initial_state,
+                                               host.checkpoint_seq, host.checkpoint_offsets, host.checkpoint_slots)
+        return hit
     args = (cu_seqlens, state_indices, has_initial_state, checkpoint_seq, checkpoint_offsets, checkpoint_slots)
     cacheable = all(a is None or isinstance(a, torch.Tensor) for a in args)
     if cacheable:
@@ -1201,6 +1227,17 @@ def _call_plan(T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_
                 if i:
                     _PLANS.insert(0, _PLANS.pop(i))
                 return entry[4]
+    result = _build_plan(T, dev, *args)
+    if cacheable:
+        refs = tuple(None if a is None else weakref.ref(a) for a in args)
+        _PLANS.insert(0, (refs, versions, T, dev, result))
+        del _PLANS[max(1, PLAN_CACHE_SIZE):]
+    return result
+
+
+def _build_plan(T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_seq, checkpoint_offsets,
+                checkpoint_slots):
+    """`_call_plan`'s build (tensors are read back: host syncs on CUDA; lists are taken as they are)."""
     PLAN_BUILDS[0] += 1
     cu = _varlen.seq_starts(cu_seqlens)
     if cu[-1] > T:
@@ -1211,14 +1248,8 @@ def _call_plan(T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_
     lens = [cu[b + 1] - cu[b] for b in range(B)]
     ckpts = _varlen.checkpoints_by_seq(checkpoint_seq, checkpoint_offsets, checkpoint_slots, lens, min_offset=1)
     plan = ChunkPlan(cu, slots, ckpts, dev)
-    slots_t = torch.tensor(slots, dtype=torch.int32, device=dev)
-    init_t = torch.tensor([int(x) for x in init], dtype=torch.int32, device=dev)
-    result = (cu, B, plan, slots_t, init_t)
-    if cacheable:
-        refs = tuple(None if a is None else weakref.ref(a) for a in args)
-        _PLANS.insert(0, (refs, versions, T, dev, result))
-        del _PLANS[max(1, PLAN_CACHE_SIZE):]
-    return result
+    slots_t, init_t = upload_int32([slots, [int(x) for x in init]], dev)
+    return cu, B, plan, slots_t, init_t
 
 
 def check_pool(pool: torch.Tensor) -> None:
@@ -1264,11 +1295,14 @@ def kda_chunked_triton(
     wu_block_n=32,
     tinv_fp32=False,
     exact_inline=False,
+    host=None,
 ):
     """Triton implementation of `reference.kda_chunked` (same arguments and result; see module doc).
 
     `chunk_size` is accepted for signature compatibility; the kernels always use 64-token chunks (the
-    result is the same function). One host sync reads cu_seqlens (and the checkpoint triples).
+    result is the same function). The chunk grid is built on the host: from `host` (a _varlen.HostVarlen, the
+    index arguments as lists: no device read) or, without it, from cu_seqlens / slots / flags / checkpoints read
+    back (host syncs, once per group and step: `_call_plan`).
 
     Tuning knobs (every combination computes the same function, for every input this wrapper takes):
     prep_variant: "fused" (one `_kda_prep_kernel` per (chunk, head)); "split": `_kda_intra_kernel` per
@@ -1296,7 +1330,8 @@ def kda_chunked_triton(
     scale = K**-0.5 if scale is None else float(scale)
     dev = q.device
     cu, B, plan, slots_t, init_t = _call_plan(
-        T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_seq, checkpoint_offsets, checkpoint_slots
+        T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_seq, checkpoint_offsets, checkpoint_slots,
+        host,
     )
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     idt = inter_dtype(q.dtype)

@@ -28,3 +28,6 @@ class ForwardBatch:
     # host copy of the longest sequence's token count in this step (None: unknown); ops route on it without
     # reading cu_seqlens back from the device (workers/engine/k3_forward.py `_short_rows`)
     max_query_len: int | None = None
+    # per KDA group, host copies of that group's index arguments (kernels/reference/_varlen.py HostVarlen; None:
+    # not built): the Triton chunked KDA builds its chunk grid from them instead of reading the tensors back
+    kda_host: list | None = None

@@ -170,7 +170,8 @@ class K3ForwardModel:
             g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
             beta = torch.sigmoid(cast(b_logit, self.acc))
             o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
-                                b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck)
+                                b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck,
+                                host=b.kda_host[gi] if b.kda_host else None)
         o = ops.rms_norm(cast(o, self.acc), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps)
         o = cast(o * torch.sigmoid(cast(gate.view(T, h, d), self.acc)), x.dtype)
         return linear(o.reshape(T, P), w["o_proj.weight"])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from k3serve.kernels.reference._varlen import HostVarlen
 from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
 from k3serve.workers.engine.forward_batch import ForwardBatch
 from k3serve.workers.engine.scheduler import SchedulerOutput
@@ -300,9 +301,14 @@ class InputPreparer:
                     [torch.tensor(s, **lt) for s in ck_slots])
         else:
             ckpt = (None, None, None)
+        cu_list, init_list = cu.tolist(), (starts > 0).tolist()
+        kda_host = [HostVarlen(cu_list, tb.kda[gi][rows].tolist(), init_list, ck_seq or None,
+                               ck_off or None, ck_slots[gi] if ck_seq else None)
+                    for gi in range(len(self.layout.kda_groups))]
         return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
                             has_init, ckpt[0], ckpt[1], ckpt[2], logits_idx,
-                            is_decode=T == nseq and not ck_seq, max_query_len=int(qlens.max()) if nseq else 0)
+                            is_decode=T == nseq and not ck_seq, max_query_len=int(qlens.max()) if nseq else 0,
+                            kda_host=kda_host)
 
 
 class ModelRunner:
