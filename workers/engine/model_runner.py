@@ -302,13 +302,19 @@ class InputPreparer:
         else:
             ckpt = (None, None, None)
         cu_list, init_list = cu.tolist(), (starts > 0).tolist()
-        kda_host = [HostVarlen(cu_list, tb.kda[gi][rows].tolist(), init_list, ck_seq or None,
+        kda_host = None if not KDA_HOST_LISTS else [HostVarlen(cu_list, tb.kda[gi][rows].tolist(), init_list, ck_seq or None,
                                ck_off or None, ck_slots[gi] if ck_seq else None)
                     for gi in range(len(self.layout.kda_groups))]
         return ForwardBatch(input_ids, pos_t, cu_t, seq_lens, block_tables, slot_mapping, state_indices,
                             has_init, ckpt[0], ckpt[1], ckpt[2], logits_idx,
                             is_decode=T == nseq and not ck_seq, max_query_len=int(qlens.max()) if nseq else 0,
                             kda_host=kda_host)
+
+
+KDA_HOST_LISTS = True
+"""`prepare` gives each KDA group's index arguments as host lists too (ForwardBatch.kda_host): the Triton chunked KDA
+builds its plan from them, with no device read-back. False: the kernel reads the tensors back (the earlier form, for
+benchmarks/mixed_step.py --set comparisons)."""
 
 
 class ModelRunner:
