@@ -53,6 +53,55 @@ def test_same_layout_as_torch_form(seed):
     assert int(n) == int((starts >= 0).sum()) and (starts[: int(n)] >= 0).all()
 
 
+@pytest.mark.parametrize("seed,tile", [(0, 16), (1, 32), (2, 16), (3, 64), (4, 1024), (5, 16)])
+def test_sorted_form_same_layout_across_tiles(seed, tile):
+    """`route_blocks_sorted` (stable sort + one program over tiles): sorted ids, block starts and count equal the
+    PyTorch form's, the pair order is the stable sort's, on random routings whose runs and blocks straddle tile
+    edges (tiles of 16-64 pairs), ids >= E counted invalid as by the one-program kernel."""
+    g = torch.Generator().manual_seed(100 + seed)
+    T = int(torch.randint(1, 90, (1,), generator=g))
+    E = [3, 6, 16, 64, 130, 5][seed]
+    k = int(torch.randint(1, min(E, 9) + 1, (1,), generator=g))
+    ids = _random_ids(g, T, E, k, invalid=[0.0, 0.1, 0.5, 0.0, 0.2, 0.3][seed]).to(
+        torch.int64 if seed % 2 else torch.int32)
+    bm = [16, 4, 16, 64, 16, 3][seed]
+    old = moe.ROUTE_KERNEL
+    moe.ROUTE_KERNEL = False
+    try:
+        want = moe.route_blocks(ids, E, count=True, bm=bm)
+    finally:
+        moe.ROUTE_KERNEL = old
+    got = moe_route.route_blocks_sorted(ids, E, bm, tile=tile)
+    assert all(t.dtype == torch.int32 for t in got)
+    sid, order, starts, n = got
+    assert torch.equal(sid, want[0]) and torch.equal(starts, want[2]) and torch.equal(n, want[3])
+    flat = torch.where(ids.reshape(-1) >= 0, ids.reshape(-1).long(), torch.full((ids.numel(),), E))
+    assert torch.equal(order.long(), torch.sort(flat, stable=True).indices)
+    if seed == 5:  # ids past the last expert are invalid too (sorted last as E, in no block)
+        big = ids.clone()
+        big[0, 0] = E + 7
+        s2, o2, st2, n2 = moe_route.route_blocks_sorted(big, E, bm, tile=tile)
+        assert int(s2.max()) == E and int(n2) == int((st2 >= 0).sum())
+
+
+def test_large_batches_take_the_sorted_form(monkeypatch):
+    """Above MAX_PAIRS `route_blocks` takes the sorted form (ROUTE_SORTED), which gives the one-program kernel's
+    layout; ROUTE_SORTED=False: the PyTorch form, same sorted ids, starts and count."""
+    seen = []
+    orig = moe.route_blocks_sorted
+    monkeypatch.setattr(moe, "route_blocks_sorted", lambda *a: (seen.append(a[0].numel()), orig(*a))[1])
+    monkeypatch.setattr(moe, "route_blocks_triton_max_pairs", 12)
+    g = torch.Generator().manual_seed(7)
+    ids = _random_ids(g, 40, 6, 3, invalid=0.1)
+    a = moe.route_blocks(ids, 6, count=True)
+    small = moe.route_blocks(ids[:4], 6, count=True)
+    monkeypatch.setattr(moe, "ROUTE_SORTED", False)
+    b = moe.route_blocks(ids, 6, count=True)
+    assert seen == [120]
+    assert all(torch.equal(x, y) for x, y in zip(moe_route.route_blocks_triton(ids[:4], 6, 16), small))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+
+
 def test_dispatch_by_pair_count(monkeypatch):
     """Up to MAX_PAIRS the kernel runs, above it the PyTorch form; ROUTE_KERNEL=False always PyTorch."""
     seen = []
@@ -72,6 +121,10 @@ def test_dispatch_by_pair_count(monkeypatch):
 
 
 def test_errors():
+    with pytest.raises(ValueError, match="no routed pairs"):
+        moe_route.route_blocks_sorted(torch.zeros(0, dtype=torch.int64), 4, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        moe_route.route_blocks_sorted(torch.zeros(4, dtype=torch.int64), 4, 16, tile=24)
     with pytest.raises(ValueError, match="routed pairs"):
         moe_route.route_blocks_triton(torch.zeros(moe_route.MAX_PAIRS + 1, dtype=torch.int64), 4, 16)
     with pytest.raises(ValueError, match="overflows"):

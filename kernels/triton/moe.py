@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ._common import dot_precision, next_pow2
 from .moe_route import MAX_PAIRS as route_blocks_triton_max_pairs
-from .moe_route import route_blocks_triton
+from .moe_route import route_blocks_sorted, route_blocks_triton
 
 BM = 16
 
@@ -528,6 +528,9 @@ def _moe_dot2_kernel(h_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_pt
 ROUTE_KERNEL = True
 """Up to `moe_route.MAX_PAIRS` routed pairs, `route_blocks` runs the one-program Triton kernel
 (kernels/triton/moe_route.py) instead of PyTorch's sort/scan/scatter (False: always PyTorch, for comparisons)."""
+ROUTE_SORTED = True
+"""Above `moe_route.MAX_PAIRS` (with ROUTE_KERNEL), `route_blocks` takes `moe_route.route_blocks_sorted` (a stable
+sort + one Triton program: ~8 launches) instead of the PyTorch form (~30 launches; False, for comparisons)."""
 
 
 def route_blocks(topk_ids: torch.Tensor, E: int, count: bool = False, bm: int = BM):
@@ -536,11 +539,14 @@ def route_blocks(topk_ids: torch.Tensor, E: int, count: bool = False, bm: int = 
     Returns (sorted expert ids int32 [P] (invalid ids sorted last as E), pair order int32 [P] (pair = t*k + j),
     block starts int32 [P] (position of each block's first pair, -1 past the last block)); with count=True
     also the number of blocks as an int32 [1] device tensor. Pairs of one expert are in pair order with the
-    Triton kernel (a stable sort); the PyTorch form's sort leaves their order unspecified.
+    Triton forms (stable sorts); the PyTorch form's sort leaves their order unspecified.
     """
     P = topk_ids.numel()
     if ROUTE_KERNEL and 1 <= P <= route_blocks_triton_max_pairs:
         res = route_blocks_triton(topk_ids, E, bm)
+        return res if count else res[:3]
+    if ROUTE_KERNEL and ROUTE_SORTED and P >= 1:
+        res = route_blocks_sorted(topk_ids, E, bm)
         return res if count else res[:3]
     dev = topk_ids.device
     ids = topk_ids.reshape(-1).to(torch.int64)
