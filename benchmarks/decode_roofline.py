@@ -2,9 +2,10 @@
 
     PYTHONSAFEPATH=1 python benchmarks/decode_roofline.py [--batches 1 8 64] [--prompt 256] [--steps 32]
         [--modes graphs graphs-s4 graphs:NAME=VALUE,... graphs-cublas eager] [--profile] [--breakdown]
-        [--max-num-batched-tokens 16384]
+        [--max-num-batched-tokens 16384] [--model DIR]
 
-Makes the `small` checkpoint on the GPU (make_model), measures the device copy bandwidth, then per batch
+Makes the `small` checkpoint on the GPU (make_model; or loads `--model DIR`, e.g. the checkpoint
+`vs_transformers.py --save-model DIR` writes, to see the model of that comparison's decode steps), measures the device copy bandwidth, then per batch
 size B runs `LLM(..., device="cuda")`: the time of a generate with max_tokens = 1 + steps minus the time of
 one with max_tokens = 1 (same prompts) gives the decode time of `steps` steps. Roofline of one step =
 bytes that must move / copy bandwidth, with bytes = every non-expert weight once + the expected number of
@@ -272,18 +273,28 @@ def main() -> int:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="after each batch size's timing: cProfile one more generate and print its N functions of "
                          "most own time (the host's Python between graph replays, ms per decode step)")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="an existing checkpoint the engine loads (e.g. vs_transformers.py --save-model DIR) "
+                         "instead of the generated `small` one")
     ap.add_argument("--breakdown", action="store_true",
                     help="graph replay alone, kernel count, and the host's phases of a decode step")
     args = ap.parse_args()
     from k3serve.sampling_params import SamplingParams
     from k3serve.workers.llm import LLM
+    from k3serve.workers.model.config import K3Config
     from k3serve.workers.model.make_model import make_model
 
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        print(f"decode_roofline: --model: no config.json in {args.model}", file=sys.stderr)
+        return 2
     bw = copy_bandwidth()
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s")
     modes = ["eager"] if args.enforce_eager else args.modes
-    with tempfile.TemporaryDirectory() as d:
-        cfg = make_model(d, "small", device="cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = args.model or tmp
+        cfg = K3Config.from_pretrained(d) if args.model else make_model(d, "small", device="cuda")
+        print(f"# model {args.model or 'small (generated)'}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+              f"{cfg.num_experts} experts (top {cfg.num_experts_per_token})", flush=True)
         rows = []
         from k3serve.kernels import triton_ops
         from k3serve.kernels.triton import moe

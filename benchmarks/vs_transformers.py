@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="generated per request (default 32 cpu, 128 cuda)")
     ap.add_argument("--size", choices=sorted(SIZES), default=None, help="model size (default: cpu / gpu)")
     ap.add_argument("--model", default=None, help="an existing transformers-saved Kimi-Linear checkpoint dir")
+    ap.add_argument("--save-model", default=None, metavar="DIR",
+                    help="write the generated checkpoint of --size to DIR and exit (for other benchmarks' --model)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per side (best counts)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for both sides (cpu)")
     ap.add_argument("--no-fla", action="store_true", help="transformers without FLA's kernels (exact PyTorch)")
@@ -247,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     fla = fla and gpu  # FLA's kernels are Triton: CUDA only; on the CPU transformers runs exact PyTorch
     dtype = getattr(torch, dtype_name)
     exact = dtype_name != "bfloat16" and not fla
+
+    if args.save_model:
+        if os.path.exists(os.path.join(args.save_model, "config.json")):
+            die(f"--save-model: {args.save_model} already holds a checkpoint")
+        write_model(args.save_model, args.size or ("gpu" if gpu else "cpu"), args.seed, KCfg, KLM)
+        print(f"# wrote the {args.size or ('gpu' if gpu else 'cpu')} checkpoint to {args.save_model}")
+        return 0
 
     from k3serve.workers.llm import LLM
 

@@ -32,3 +32,21 @@ def tiny_model_dir(tmp_path_factory):
         yield ensure_tiny_model()
     finally:
         os.environ.pop("K3SERVE_HOME", None)
+
+
+# --- every test starts from the same global RNG state, whatever ran before it on its xdist worker ---------
+# Tests that draw from torch's / random's global generators (most kernel tests) would otherwise see inputs
+# that depend on which tests the scheduler gave the same worker first: a marginal case then fails in one CI
+# run and not the next. The seed is the test's node id, so each test keeps its own (randomized) inputs.
+@pytest.fixture(autouse=True)
+def _seed_global_rngs(request):
+    import random
+    import zlib
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    # (only what is already imported: a test that never touches torch does not pay for importing it)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)

@@ -55,3 +55,24 @@ def test_bad_arguments_exit_2(args, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.strip() and "Traceback" not in err
+
+
+def test_save_model_writes_a_checkpoint_the_engine_loads(tmp_path):
+    # `--save-model DIR`: the --size checkpoint for other benchmarks' --model (decode_roofline.py), then exit
+    from k3serve.workers.model.config import K3Config
+
+    d = tmp_path / "m"
+    p = _run("--size", "tiny", "--save-model", str(d))
+    assert p.returncode == 0, p.stdout + p.stderr
+    cfg = K3Config.from_pretrained(d)
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.hidden_size) == (4, 8, 64)
+    assert [cfg.is_kda_layer(i) for i in range(4)] == [True, True, True, False]
+    again = _run("--size", "tiny", "--save-model", str(d))  # never over an existing checkpoint
+    assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
+
+
+def test_decode_roofline_rejects_a_model_dir_without_config(tmp_path):
+    script = os.path.join(os.path.dirname(SCRIPT), "decode_roofline.py")
+    p = subprocess.run([sys.executable, script, "--model", str(tmp_path)], env=dict(os.environ, PYTHONSAFEPATH="1"),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "no config.json" in p.stderr and "Traceback" not in p.stderr
