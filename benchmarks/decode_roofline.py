@@ -312,7 +312,8 @@ def main() -> int:
             print(f"# mode {mode}: moe " + ", ".join(f"{n}={getattr(moe, n)!r}" for n in defaults), flush=True)
             llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                       max_model_len=args.prompt + args.steps + 8, enforce_eager=mode == "eager",
-                      max_num_batched_tokens=args.max_num_batched_tokens)
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      skip_tokenizer_init=bool(args.model))  # (prompts are token ids; a --model may have no tokenizer)
             llm.final_outputs_only = llm.engine.defer_detokenization = mode != "graphs-s6"
             weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
             for B in args.batches:
