@@ -37,6 +37,7 @@ def _kda_chunked(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_in
     B = cu_seqlens.numel() - 1
     if kw.get("checkpoint_seq") is None and q.shape[0] <= 2 * B:  # decode-shaped: token-serial, no host sync
         kw.pop("chunk_size", None)
+        kw.pop("host", None)  # (the token-serial kernel builds no chunk plan: it never reads the index arguments back)
         return _kr.kda_recurrent_triton(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state,
                                         **kw)
     return _kc.kda_chunked_triton(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, has_initial_state, **kw)

@@ -117,6 +117,25 @@ def test_host_lists_replace_device_reads(monkeypatch):
     assert kda_chunk.PLAN_BUILDS[0] - before == 3
 
 
+@pytest.mark.parametrize("lens", [[1, 1, 2, 1], [1, 30, 0, 9]], ids=["decode-shaped", "prefill-shaped"])
+def test_dispatch_with_host_lists(lens):
+    """The engine passes `host` to ops.kda_chunked on every step: the Triton dispatcher takes it whichever form it
+    picks (a batch of at most 2 tokens a sequence goes to the token-serial kernel, which has no use for it; it
+    once failed there on the GPU with an unexpected keyword), with the reference's outputs and states."""
+    from k3serve.kernels import triton_ops
+    from k3serve.kernels.reference import _varlen
+
+    cu, si = cu_of(lens), torch.tensor([3, 0, 5, 1])
+    init = torch.tensor([True, False, True, True])
+    host = _varlen.HostVarlen(cu.tolist(), si.tolist(), init.tolist())
+    pool = torch.randn(8, H, V, K)
+    ref_pool = pool.double()
+    q, k, v, gg, beta = inputs(lens, 31)
+    ref = R.kda_chunked(q.double(), k.double(), v.double(), gg.double(), beta.double(), ref_pool, si, cu, init)
+    out = triton_ops._kda_chunked(q, k, v, gg, beta, pool, si, cu, init, chunk_size=64, host=host)
+    assert rel(out, ref) < 1e-5 and rel(pool, ref_pool) < 1e-5
+
+
 def test_upload_int32_packs_aligned_parts():
     from k3serve.kernels.triton.kda_chunk import upload_int32
 
