@@ -207,27 +207,21 @@ def test_gate_sigmoid_16bit_on_cuda(dtype):
     assert bool(same.all()), f"{int((~same).sum())} values differ"
 
 
-def test_repeated_prompts_prefill_one_token_a_sequence(tiny_model_dir, tiny_ref, monkeypatch):
-    """Prompts seen before, prefix caching on: each is cached up to its last token (lengths of whole 16-token pages
-    + 1), so the step that prefills them again holds one token a sequence: the chunked-KDA dispatcher takes its
-    token-serial form with the engine's host lists beside (it once failed there with an unexpected keyword). Same
-    tokens as the first time, every one passing the teacher-forced check."""
+def test_decodes_beside_a_short_prefill_tail(tiny_model_dir, tiny_ref, monkeypatch):
+    """11 requests decode while a 12th prefills its last 10 tokens (budget 64: 55 + 9, then 11 + 53, then 11 + 10):
+    that step holds 21 tokens for 12 sequences, at most 2 a sequence on average, and one longer than kda_verify's
+    walk, so the chunked-KDA dispatcher takes its token-serial form with the engine's host lists beside (it once
+    failed there with an unexpected keyword). Every token passes the teacher-forced check."""
     from k3serve.kernels import triton_ops
 
     serial = []
     real = triton_ops._kr.kda_recurrent_triton
-    monkeypatch.setattr(triton_ops._kr, "kda_recurrent_triton", lambda *a, **k: serial.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(triton_ops._kr, "kda_recurrent_triton",
+                        lambda *a, **k: serial.append(a[0].shape[0]) or real(*a, **k))
     rng = random.Random(13)
-    prompts = [[rng.randrange(tiny_ref.cfg.vocab_size) for _ in range(16 * rng.randint(1, 8) + 1)] for _ in range(5)]
-    llm = LLM(str(tiny_model_dir), device="cuda", dtype="float32", skip_tokenizer_init=True, max_num_seqs=8,
-              max_num_batched_tokens=1024, block_size=16, enable_prefix_caching=True,
-              prefix_cache_retention_interval="dense")
-    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    first = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    serial.clear()
-    again = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    assert llm.engine.stats()["prefix_cache_hits"] > 0
-    assert len(prompts) in serial, serial  # the re-prefill: one token for each of the 5 sequences
-    assert again == first
-    exact, total = teacher_forced_check(tiny_ref, prompts, again)
+    vocab = tiny_ref.cfg.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(5)] for _ in range(11)] + [[rng.randrange(vocab) for _ in range(72)]]
+    outs, _ = run_engine(tiny_model_dir, prompts, 8, dtype="float32", max_num_seqs=12, max_num_batched_tokens=64)
+    assert 21 in serial, serial  # (the same schedule on the CPU calls kernels/cpu's kda_chunked with 21 tokens)
+    exact, total = teacher_forced_check(tiny_ref, prompts, outs)
     assert exact >= EXACT["float32"] * total
