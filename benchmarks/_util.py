@@ -187,3 +187,27 @@ def cuda_graph(fn: Callable[[], Any], warmups: int = 2):
     with torch.cuda.graph(g):
         fn()
     return g
+
+
+SET_HELP = ("set a module constant first, e.g. k3serve.workers.engine.k3_forward.FUSED_ADD_NORM=0 (ints where they "
+            "parse); repeatable, for side-by-side runs of an engine knob")
+
+
+def apply_sets(ap, items: Sequence[str]) -> None:
+    """`--set MODULE.NAME=VALUE ...`: setattr on the imported module (an int where VALUE parses as one); a module or
+    a name that does not exist is an argument error (exit 2), not a silently unchanged run."""
+    import importlib
+
+    for item in items:
+        target, eq, value = item.partition("=")
+        mod_name, _, name = target.rpartition(".")
+        if not eq or not mod_name or not name:
+            ap.error(f"--set: {item!r} is not MODULE.NAME=VALUE")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            ap.error(f"--set: no module {mod_name!r}")
+        if not hasattr(mod, name):
+            ap.error(f"--set: {mod_name} has no {name!r}")
+        setattr(mod, name, int(value) if value.lstrip("-").isdigit() else value)
+

@@ -52,7 +52,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import kernel_breakdown  # noqa: E402
+from _util import SET_HELP, apply_sets, kernel_breakdown  # noqa: E402
 
 
 def copy_bandwidth() -> float:
@@ -273,6 +273,7 @@ def main() -> int:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="after each batch size's timing: cProfile one more generate and print its N functions of "
                          "most own time (the host's Python between graph replays, ms per decode step)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE", help=SET_HELP)
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="an existing checkpoint the engine loads (e.g. vs_transformers.py --save-model DIR) "
                          "instead of the generated `small` one")
@@ -287,6 +288,7 @@ def main() -> int:
     if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"decode_roofline: --model: no config.json in {args.model}", file=sys.stderr)
         return 2
+    apply_sets(ap, args.set)
     bw = copy_bandwidth()
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s")
     modes = ["eager"] if args.enforce_eager else args.modes

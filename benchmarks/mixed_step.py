@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import print_table  # noqa: E402
+from _util import SET_HELP, apply_sets, print_table  # noqa: E402
 
 from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
@@ -277,9 +277,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe", nargs="*", default=[], metavar="NAME=VALUE",
                     help="set kernels/triton/moe.py constants first (e.g. DOT_BM_LARGE=16), ints where they parse")
-    ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
-                    help="set a module constant first, e.g. k3serve.workers.engine.model_runner.KDA_HOST_LISTS=0 "
-                         "(ints where they parse)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE", help=SET_HELP)
     ap.add_argument("--top", type=int, default=0, help="print the top N kernels of each step of the last repeat")
     ap.add_argument("--syncs", type=int, default=0, metavar="N",
                     help="CUDA: two more prefill-part steps, one in sync-debug mode (the N call sites that made the "
@@ -300,18 +298,7 @@ def main() -> int:
             if not hasattr(moe, name):
                 ap.error(f"--moe: kernels/triton/moe.py has no {name!r}")
             setattr(moe, name, int(value) if value.lstrip("-").isdigit() else value)
-    for item in args.set:
-        import importlib
-
-        target, _, value = item.partition("=")
-        mod_name, _, name = target.rpartition(".")
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            ap.error(f"--set: no module {mod_name!r}")
-        if not hasattr(mod, name):
-            ap.error(f"--set: {mod_name} has no {name!r}")
-        setattr(mod, name, int(value) if value.lstrip("-").isdigit() else value)
+    apply_sets(ap, args.set)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     with tempfile.TemporaryDirectory() as d:
         cfg = make_model(d, args.preset, device=args.device)

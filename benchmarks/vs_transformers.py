@@ -42,7 +42,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import print_table  # noqa: E402
+from _util import SET_HELP, apply_sets, print_table  # noqa: E402
 
 # model sizes: "cpu" is the CPU row (float32, a few layers), "gpu" a 12-layer 64-expert model
 SIZES = {
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-steps", type=int, default=0, metavar="N",
                     help="print the N slowest engine steps of the last timed run (each step synchronized)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE", help=SET_HELP)
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     dtype_name = args.dtype or ("bfloat16" if gpu else "float32")
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         die("--device cuda: no CUDA device here")
     if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
         die(f"--model: no config.json in {args.model}")
+    apply_sets(ap, args.set)
     if args.threads:
         torch.set_num_threads(args.threads)
     KCfg, KLM, hf_version, fla = import_transformers(args.no_fla)

@@ -152,6 +152,11 @@ def rms_norm(x, weight, eps):
     return _impl("rms_norm", x)(x, weight, eps)
 
 
+def add_rms_norm(x, residual, weight, eps):
+    """(rms_norm(x + residual), x + residual): a layer's residual add and the next norm (one kernel on CUDA)."""
+    return _impl("add_rms_norm", x)(x, residual, weight, eps)
+
+
 def l2_normalize(x, eps=1e-6):
     return _impl("l2_normalize", x)(x, eps)
 

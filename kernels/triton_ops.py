@@ -107,6 +107,13 @@ def _rms_norm(x, weight, eps):
     return _pw.rms_norm_triton(x, weight, eps)
 
 
+def _add_rms_norm(x, residual, weight, eps):
+    if (not _pw.supported(x) or residual.dtype != x.dtype or residual.shape != x.shape
+            or residual.device != x.device or (weight is not None and weight.device != x.device)):
+        return reference.add_rms_norm(x, residual, weight, eps)
+    return _pw.add_rms_norm_triton(x, residual, weight, eps)
+
+
 def _silu_and_mul(x):
     return _pw.silu_and_mul_triton(x) if _pw.supported(x) else reference.silu_and_mul(x)
 
@@ -128,6 +135,7 @@ IMPLS: dict[str, Callable] = {
     "moe_experts": _moe_experts,
     "linear": _linear,
     "rms_norm": _rms_norm,
+    "add_rms_norm": _add_rms_norm,
     "silu_and_mul": _silu_and_mul,
     "situ_and_mul": _situ_and_mul,
 }

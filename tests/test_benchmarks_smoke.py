@@ -158,3 +158,27 @@ def test_mixed_step_smallest_run():
         dec, pre, mixed, ratio = (float(c) for c in r[1:])
         assert dec > 0 and pre > 0 and mixed > 0
         assert abs(ratio - mixed / (dec + pre)) < 2e-3
+
+
+def test_set_module_constants():
+    """`--set MODULE.NAME=VALUE` (benchmarks/_util.py apply_sets, shared by mixed_step, decode_roofline and
+    vs_transformers): ints where they parse, strings otherwise; a missing module or name, or no `=`, exits 2."""
+    import argparse
+
+    from k3serve.workers.engine import k3_forward
+
+    util = _load("_util")
+    ap = argparse.ArgumentParser()
+    before = k3_forward.FUSED_ADD_NORM
+    try:
+        util.apply_sets(ap, ["k3serve.workers.engine.k3_forward.FUSED_ADD_NORM=0"])
+        assert k3_forward.FUSED_ADD_NORM == 0
+        util.apply_sets(ap, ["k3serve.workers.engine.k3_forward.FUSED_ADD_NORM=x-1"])
+        assert k3_forward.FUSED_ADD_NORM == "x-1"
+    finally:
+        k3_forward.FUSED_ADD_NORM = before
+    for bad in ("k3serve.no_such_module.X=1", "k3serve.workers.engine.k3_forward.NO_SUCH=1",
+                "k3serve.workers.engine.k3_forward.FUSED_ADD_NORM", "NOMODULE=1"):
+        with pytest.raises(SystemExit) as e:
+            util.apply_sets(ap, [bad])
+        assert e.value.code == 2

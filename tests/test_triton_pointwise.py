@@ -191,3 +191,59 @@ def test_dispatch_reaches_triton(monkeypatch):
     assert torch.equal(ops.silu_and_mul(xd), R.silu_and_mul(xd))
     assert len(calls) == 3
     assert P.supported(x) and not P.supported(xd)
+
+
+# ---------------------------------------------------------------- add + RMSNorm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,knobs", [((5, 96), {}), ((3, 2, 200), {}), ((4, 300), {"max_block_d": 64}),
+                                         ((1, 7168), {}), ((33, 40), {"block_m": 4})],
+                         ids=["small", "3d", "chunked", "wide", "row-blocks"])
+def test_add_rms_norm_is_the_add_and_the_norm_apart(dtype, shape, knobs):
+    """One launch: the sum rounded to the inputs' dtype (== torch's add, bit for bit) and the norm of that rounded
+    sum (== rms_norm_triton of it, bit for bit: same tiles), within the usual rounding of the fp64 reference."""
+    g = torch.Generator().manual_seed(len(shape) * 1000 + shape[-1])
+    x = _x(shape, dtype, g)
+    r = (torch.randn(shape, generator=g) * 3).to(dtype)
+    w = torch.randn(shape[-1], generator=g)
+    y, s = P.add_rms_norm_triton(x, r, w, 1e-5, **knobs)
+    want = x + r
+    if dtype == torch.bfloat16:  # the interpreter's fp32 -> bf16 may truncate where the GPU rounds (docstring)
+        exact = (s == want) | (s == _trunc_bf16(x.float() + r.float()))
+        assert bool(exact.all()) and s.dtype == dtype
+    else:
+        assert torch.equal(s, want) and s.dtype == dtype
+    assert torch.equal(y, P.rms_norm_triton(s, w, 1e-5, **knobs))  # the norm of the stored (rounded) sum
+    check(y, R.rms_norm(s.float(), w, 1e-5), dtype)
+    ry, rs = R.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(rs, want) and torch.equal(ry, R.rms_norm(want, w, 1e-5))
+
+
+def test_add_rms_norm_strided_rows_and_errors():
+    g = torch.Generator().manual_seed(9)
+    big = torch.randn(6, 160, generator=g)
+    x = big[:, :128]  # a row stride of 160, read in place
+    r = torch.randn(6, 128, generator=g)
+    y, s = P.add_rms_norm_triton(x, r, None, 1e-6)
+    assert torch.equal(s, x + r) and torch.equal(y, P.rms_norm_triton(x + r, None, 1e-6))
+    with pytest.raises(ValueError):
+        P.add_rms_norm_triton(x, r[:, :64], None, 1e-6)
+    with pytest.raises(ValueError):
+        P.add_rms_norm_triton(x, r.double(), None, 1e-6)
+    with pytest.raises(ValueError):
+        R.add_rms_norm(x, r.half(), None, 1e-6)
+
+
+def test_add_rms_norm_dispatch(monkeypatch):
+    monkeypatch.setenv("K3SERVE_KERNELS", "triton")
+    calls = []
+    orig = P.add_rms_norm_triton
+    monkeypatch.setattr(P, "add_rms_norm_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    g = torch.Generator().manual_seed(4)
+    x, r, w = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
+    y, s = ops.add_rms_norm(x, r, w, 1e-5)
+    assert calls == [1] and torch.equal(s, x + r)
+    yd, sd = ops.add_rms_norm(x.double(), r.double(), w, 1e-5)  # float64 stays on the reference op
+    assert calls == [1] and torch.equal(yd, R.rms_norm(x.double() + r.double(), w, 1e-5))
+    monkeypatch.setenv("K3SERVE_KERNELS", "")  # CPU tensors outside triton mode: the reference op
+    y2, s2 = ops.add_rms_norm(x, r, w, 1e-5)
+    assert calls == [1] and torch.equal(y2, R.rms_norm(x + r, w, 1e-5)) and torch.equal(s2, x + r)

@@ -15,11 +15,12 @@ from .linear import linear
 from .mla import mla_attention_expanded, mla_paged_attention, mla_write_cache
 from .moe_experts import moe_experts
 from .moe_route import moe_route
-from .norms import l2_normalize, rms_norm
+from .norms import add_rms_norm, l2_normalize, rms_norm
 
 OPS = (
     "linear",
     "rms_norm",
+    "add_rms_norm",
     "l2_normalize",
     "situ_and_mul",
     "silu_and_mul",
@@ -39,6 +40,7 @@ OPS = (
 
 __all__ = [
     "OPS",
+    "add_rms_norm",
     "attn_res",
     "causal_conv1d_varlen",
     "kda_chunked",

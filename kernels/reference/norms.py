@@ -20,6 +20,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return cast(y, x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the RMSNorm of its result: returns (`rms_norm(s, weight, eps)`, s) with s = x + residual
+    in their (common) dtype — the sum rounded once to it, the norm taken of the rounded sum, as the two ops apart."""
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} must match")
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x[..., D] / sqrt(sum(x^2) + eps)` over the last dim; fp32 math (fp64 for fp64 x); returns x's dtype."""
     dt = compute_dtype(x)

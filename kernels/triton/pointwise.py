@@ -1,5 +1,6 @@
-"""Row-wise glue ops in Triton, one launch per call: RMSNorm and the gated activations SiLU-and-mul and
-SiTU-and-mul. Contracts: `k3serve.kernels.reference.rms_norm`, `.silu_and_mul`, `.situ_and_mul` (fp32 math for
+"""Row-wise glue ops in Triton, one launch per call: RMSNorm (alone, or after a residual add) and the gated
+activations SiLU-and-mul and SiTU-and-mul. Contracts: `k3serve.kernels.reference.rms_norm`, `.add_rms_norm`,
+`.silu_and_mul`, `.situ_and_mul` (fp32 math for
 fp16/bf16/fp32 inputs, one rounding to x's dtype at the end; float64 stays on the reference ops).
 
 Inputs are seen as [rows, D] with unit last-dim stride and any row stride (e.g. `kv_a[:, :512]` of a [T, 576]
@@ -47,18 +48,28 @@ def _tanh(y):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, x_stride, eps, D: tl.constexpr, HAS_W: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, x_stride, eps, res_ptr, res_stride, sum_ptr, D: tl.constexpr,
+                     HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                     HAS_RES: tl.constexpr):
+    """y = rms_norm(x) per row; HAS_RES: first s = x + res rounded to s's dtype (stored, contiguous rows), and the
+    norm of s (the two ops apart, fused: one read of x and res, no second read of s when the row fits)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mr = rows < n_rows
     r64 = rows.to(tl.int64)
     x_row = x_ptr + r64[:, None] * x_stride
     y_row = y_ptr + r64[:, None] * D
     cols = tl.arange(0, BLOCK_D)
+    if HAS_RES:
+        res_row = res_ptr + r64[:, None] * res_stride
+        sum_row = sum_ptr + r64[:, None] * D
     if NUM_CHUNKS == 1:  # the whole row in registers: one read of x
         mc = cols < D
         m = mr[:, None] & mc[None, :]
         xf = tl.load(x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            sv = (xf + tl.load(res_row + cols[None, :], mask=m, other=0.0).to(tl.float32)).to(sum_ptr.dtype.element_ty)
+            tl.store(sum_row + cols[None, :], sv, mask=m)
+            xf = sv.to(tl.float32)
         ms = tl.sum(xf * xf, axis=1) / D
         y = xf * (1.0 / tl.sqrt_rn(ms + eps))[:, None]
         if HAS_W:
@@ -70,14 +81,24 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, x_stride, eps, D: tl.constexpr
             cc = c * BLOCK_D + cols
             m = mr[:, None] & (cc < D)[None, :]
             xf = tl.load(x_row + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_RES:
+                sv = (xf + tl.load(res_row + cc[None, :], mask=m, other=0.0).to(tl.float32)).to(
+                    sum_ptr.dtype.element_ty)
+                tl.store(sum_row + cc[None, :], sv, mask=m)
+                xf = sv.to(tl.float32)
             acc += xf * xf
         ms = tl.sum(acc, axis=1) / D
         r = (1.0 / tl.sqrt_rn(ms + eps))[:, None]
+        if HAS_RES:
+            tl.debug_barrier()  # the block's stores of s visible to all its threads before they read s back
         for c in tl.static_range(NUM_CHUNKS):
             cc = c * BLOCK_D + cols
             mc = cc < D
             m = mr[:, None] & mc[None, :]
-            y = tl.load(x_row + cc[None, :], mask=m, other=0.0).to(tl.float32) * r
+            if HAS_RES:  # the rounded sum this program stored in the first pass
+                y = tl.load(sum_row + cc[None, :], mask=m, other=0.0).to(tl.float32) * r
+            else:
+                y = tl.load(x_row + cc[None, :], mask=m, other=0.0).to(tl.float32) * r
             if HAS_W:
                 y = y * tl.load(w_ptr + cc, mask=mc, other=0.0).to(tl.float32)[None, :]
             tl.store(y_row + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
@@ -147,9 +168,41 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     bm = block_m or min(next_pow2(rows), max(1, _TILE // bd))
     nw = num_warps or _warps(bm * bd)
     _rms_norm_kernel[(triton.cdiv(rows, bm),)](
-        xr, weight if weight is not None else xr, y, rows, stride, float(eps), D=D, HAS_W=weight is not None,
-        BLOCK_M=bm, BLOCK_D=bd, NUM_CHUNKS=chunks, num_warps=nw)
+        xr, weight if weight is not None else xr, y, rows, stride, float(eps), xr, stride, y, D=D,
+        HAS_W=weight is not None, BLOCK_M=bm, BLOCK_D=bd, NUM_CHUNKS=chunks, HAS_RES=False, num_warps=nw)
     return y
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+                        block_m: int | None = None, block_d: int | None = None, max_block_d: int = 8192,
+                        num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `reference.add_rms_norm`: (rms_norm(s), s) with s = x + residual, in ONE launch. s is rounded to the
+    inputs' dtype before the norm reads it, so both outputs equal the add and `rms_norm_triton` apart, bit for bit
+    (same tiles, same sums). Same knobs as `rms_norm_triton`."""
+    if x.shape != residual.shape or x.dtype != residual.dtype or x.device != residual.device:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} must match")
+    D = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    xr, rows, stride = _as_rows(x)
+    rr, _, rstride = _as_rows(residual)
+    if rows == 0 or D == 0:
+        return y, s
+    if weight is not None:
+        if weight.shape[-1] != D or weight.numel() != D:
+            raise ValueError(f"weight shape {tuple(weight.shape)} does not match last dim {D}")
+        if weight.dtype not in TL_DTYPE:
+            weight = weight.to(torch.float32)
+        weight = weight.reshape(D).contiguous()
+    bd = block_d or min(next_pow2(D), max_block_d)
+    chunks = triton.cdiv(D, bd)
+    bm = block_m or min(next_pow2(rows), max(1, _TILE // bd))
+    nw = num_warps or _warps(bm * bd)
+    _rms_norm_kernel[(triton.cdiv(rows, bm),)](
+        xr, weight if weight is not None else xr, y, rows, stride, float(eps), rr, rstride, s, D=D,
+        HAS_W=weight is not None, BLOCK_M=bm, BLOCK_D=bd, NUM_CHUNKS=chunks, HAS_RES=True, num_warps=nw)
+    return y, s
 
 
 def _gated(x: torch.Tensor, situ: bool, beta: float, linear_beta: float | None, block_m: int | None,

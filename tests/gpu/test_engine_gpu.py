@@ -225,3 +225,30 @@ def test_decodes_beside_a_short_prefill_tail(tiny_model_dir, tiny_ref, monkeypat
     assert 21 in serial, serial  # (the same schedule on the CPU calls kernels/cpu's kda_chunked with 21 tokens)
     exact, total = teacher_forced_check(tiny_ref, prompts, outs)
     assert exact >= EXACT["float32"] * total
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_fused_add_norm_same_tokens(tmp_path, monkeypatch, seed):
+    """A plain residual stack (no Block AttnRes) in bf16 with CUDA graphs: the fused add + norm
+    (k3_forward.FUSED_ADD_NORM) gives the same greedy tokens as the add and the norm apart (bit-identical sums and
+    norms), and it is the one the forward calls."""
+    from k3serve.kernels.triton import pointwise as P
+    from k3serve.workers.engine import k3_forward
+    from k3serve.workers.model.config import K3Config
+    from k3serve.workers.model.testing import random_text_config
+
+    d = tmp_path / f"m{seed}"
+    text = random_text_config(seed)
+    text["attn_res_block_size"] = None
+    write_random_model(d, seed=seed, cfg=K3Config.from_dict(text), dtype=torch.float32)
+    ref = load_reference_model(str(d), dtype=torch.float64, device="cuda")
+    assert ref.cfg.attn_res_block_size is None
+    prompts = prompts_for(seed, 6, ref.cfg.vocab_size, hi=100)
+    calls = []
+    real = P.add_rms_norm_triton
+    monkeypatch.setattr(P, "add_rms_norm_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused, _ = run_engine(d, prompts, 12, dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=256)
+    assert calls
+    monkeypatch.setattr(k3_forward, "FUSED_ADD_NORM", False)
+    apart, _ = run_engine(d, prompts, 12, dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=256)
+    assert fused == apart

@@ -35,6 +35,11 @@ def gate_sigmoid(g: torch.Tensor, dtype: torch.dtype, acc: torch.dtype) -> torch
 # (kernels/triton/gemv.py); the optional third argument is the compute dtype, the operands' cast folded in
 linear = ops.linear
 
+FUSED_ADD_NORM = True
+"""Plain residual stacks (no Block AttnRes): each residual add and the norm after it as ONE op (`ops.add_rms_norm`:
+one kernel on CUDA instead of an add and a norm; the same values, the sum rounded before the norm reads it).
+False: the add and the norm apart (the earlier form, for benchmarks)."""
+
 PIN_KERNELS = True
 """`forward` runs inside `ops.pinned_kernels()` (each op's implementation chosen once per pass, not per call);
 False: every op call reads K3SERVE_KERNELS (the earlier form, for benchmarks)."""
@@ -300,7 +305,19 @@ class K3ForwardModel:
         eps = cfg.rms_norm_eps
         L = cfg.num_hidden_layers
         round_dtype = None if self.dtype in (torch.float32, torch.float64) else self.dtype
-        if cfg.attn_res_block_size is None:
+        if cfg.attn_res_block_size is None and FUSED_ADD_NORM:
+            hsum = emb
+            x = ops.rms_norm(hsum, W["model.layers.0.input_layernorm.weight"], eps)
+            for i in range(L):
+                lw = LayerWeights(W, f"model.layers.{i}.")
+                x, hsum = ops.add_rms_norm(self._attn(i, x, b), hsum, lw["post_attention_layernorm.weight"], eps)
+                m = self._mlp(i, x)
+                if i + 1 < L:  # the next layer's input norm with this add
+                    x, hsum = ops.add_rms_norm(m, hsum, W[f"model.layers.{i + 1}.input_layernorm.weight"], eps)
+                else:
+                    hsum = m + hsum  # (the final norm reads only the logits rows, below)
+            h = hsum
+        elif cfg.attn_res_block_size is None:
             hsum = emb
             for i in range(L):
                 lw = LayerWeights(W, f"model.layers.{i}.")
