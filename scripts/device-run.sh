@@ -6,6 +6,11 @@
 #   sweeps     every benchmarks/sweep_*.py, or the files in SWEEPS (kernel variants and knobs; each stopped after
 #              SWEEP_TIMEOUT s, default 100; SWEEP_ARGS adds arguments)
 #   bench      benchmarks/kernels.py (full table; BENCH_ARGS adds arguments)
+#   vs         benchmarks/vs_transformers.py --device cuda (VS_ARGS, default: 32 and 64 prompts, 2 repeats, the 6
+#              slowest steps)
+#   gpumodel   the vs-transformers model's decode steps: vs_transformers.py --save-model /tmp/gm once, then
+#              decode_roofline.py --model /tmp/gm (GPUMODEL_ARGS, default: B = 32 64 1, graphs, --breakdown; add
+#              e.g. --set k3serve.workers.engine.k3_forward.FUSED_ADD_NORM=0 for the other side of a knob)
 # Logs go to $OUT/<step>.log.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -22,6 +27,13 @@ for step in "$@"; do
     sweeps) for f in ${SWEEPS:-benchmarks/sweep_*.py}; do n=$(basename "$f" .py); echo "## $n";
               timeout ${SWEEP_TIMEOUT:-100} python3 "$f" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/$n.log"; done ;;
     bench) python3 benchmarks/kernels.py --tsv "$OUT/bench.tsv" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    vs) python3 benchmarks/vs_transformers.py --device cuda ${VS_ARGS:---num-prompts 32 64 --repeats 2 --slow-steps 6} \
+          2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs.log" ;;
+    gpumodel) [ -f /tmp/gm/config.json ] || python3 benchmarks/vs_transformers.py --device cuda --size gpu \
+                --save-model /tmp/gm >/dev/null 2>&1
+              python3 benchmarks/decode_roofline.py --model /tmp/gm \
+                ${GPUMODEL_ARGS:---batches 32 64 1 --prompt 512 --steps 32 --modes graphs --breakdown} 2>&1 \
+                | grep -v "Warning\|warn(" | tee -a "$OUT/gpumodel.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "# step $step: $(( $(date +%s) - t )) s"
