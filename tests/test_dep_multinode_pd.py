@@ -71,7 +71,8 @@ def _prompts(n_tokens):
 def test_tp1_prefill_into_a_two_node_dep_decode_group(workers):
     model, w = workers
     prompts = _prompts((37, 21, 50))
-    news = [24, 4, 4]
+    news = [32, 16, 16]  # (the later two long enough that a /metrics poll sees the remote rank running one: with 4
+    # new tokens each they could finish between two polls on a loaded 2-core machine, and the test failed once so)
     want = [reference_outputs(model, [p], n)[0] for p, n in zip(prompts, news)]
     kvps = [prefill_hop(w["P1"], f"p{i}", p, n) for i, (p, n) in enumerate(zip(prompts, news))]
     seen = set()  # the DP ranks seen running a request (the leader's per-rank gauges)
