@@ -252,18 +252,18 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, dtype_name)
     exact = dtype_name != "bfloat16" and not fla
 
+    size = args.size or ("gpu" if gpu else "cpu")
     if args.save_model:
         if os.path.exists(os.path.join(args.save_model, "config.json")):
             die(f"--save-model: {args.save_model} already holds a checkpoint")
-        write_model(args.save_model, args.size or ("gpu" if gpu else "cpu"), args.seed, KCfg, KLM)
-        print(f"# wrote the {args.size or ('gpu' if gpu else 'cpu')} checkpoint to {args.save_model}")
+        write_model(args.save_model, size, args.seed, KCfg, KLM)
+        print(f"# wrote the {size} checkpoint to {args.save_model}")
         return 0
 
     from k3serve.workers.llm import LLM
 
     tmp = tempfile.TemporaryDirectory(prefix="vs-transformers-")
     model_dir = args.model
-    size = args.size or ("gpu" if gpu else "cpu")
     if model_dir is None:
         model_dir = tmp.name
         write_model(model_dir, size, args.seed, KCfg, KLM)

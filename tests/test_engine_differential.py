@@ -149,7 +149,7 @@ def test_step_logits_equal_the_reference(tmp_path_factory, seed, monkeypatch):
         llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_batched_tokens=16, max_model_len=64)
         got = []
         real = llm.engine.runner.execute
-        llm.engine.runner.execute = lambda s, _r=real: got.append(_r(s)) or got[-1]
+        llm.engine.runner.execute = lambda s, _r=real, _g=got: _g.append(_r(s)) or _g[-1]
         out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
         runs.append(torch.cat([g[-1:] for g in got[1:]]))  # the logits of the last prefill chunk, then each decode
         seq = prompt + list(out.outputs[0].token_ids)

@@ -146,17 +146,17 @@ def _warps(tile: int) -> int:
     return max(1, min(16, tile // 256))
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, block_m: int | None = None,
-                    block_d: int | None = None, max_block_d: int = 8192,
-                    num_warps: int | None = None) -> torch.Tensor:
-    """Triton `reference.rms_norm` (fp16/bf16/fp32 x). Knobs: `block_m` rows per program (default: fill a
-    4096-element tile, at most the row count), `block_d` columns per chunk (default: next_pow2(D) when that is
-    <= `max_block_d`, else `max_block_d` with a chunked two-pass loop), `num_warps` (default from the tile)."""
+def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+               block_m: int | None, block_d: int | None, max_block_d: int, num_warps: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One `_rms_norm_kernel` launch: (y, s) with s = x + residual (None without a residual) and y its norm."""
     D = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     xr, rows, stride = _as_rows(x)
+    rr, _, rstride = (xr, rows, stride) if residual is None else _as_rows(residual)
     if rows == 0 or D == 0:
-        return y
+        return y, s
     if weight is not None:
         if weight.shape[-1] != D or weight.numel() != D:
             raise ValueError(f"weight shape {tuple(weight.shape)} does not match last dim {D}")
@@ -168,9 +168,19 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     bm = block_m or min(next_pow2(rows), max(1, _TILE // bd))
     nw = num_warps or _warps(bm * bd)
     _rms_norm_kernel[(triton.cdiv(rows, bm),)](
-        xr, weight if weight is not None else xr, y, rows, stride, float(eps), xr, stride, y, D=D,
-        HAS_W=weight is not None, BLOCK_M=bm, BLOCK_D=bd, NUM_CHUNKS=chunks, HAS_RES=False, num_warps=nw)
-    return y
+        xr, weight if weight is not None else xr, y, rows, stride, float(eps), rr, rstride, y if s is None else s,
+        D=D, HAS_W=weight is not None, BLOCK_M=bm, BLOCK_D=bd, NUM_CHUNKS=chunks, HAS_RES=s is not None,
+        num_warps=nw)
+    return y, s
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, block_m: int | None = None,
+                    block_d: int | None = None, max_block_d: int = 8192,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """Triton `reference.rms_norm` (fp16/bf16/fp32 x). Knobs: `block_m` rows per program (default: fill a
+    4096-element tile, at most the row count), `block_d` columns per chunk (default: next_pow2(D) when that is
+    <= `max_block_d`, else `max_block_d` with a chunked two-pass loop), `num_warps` (default from the tile)."""
+    return _norm_rows(x, None, weight, eps, block_m, block_d, max_block_d, num_warps)[0]
 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
@@ -182,27 +192,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     if x.shape != residual.shape or x.dtype != residual.dtype or x.device != residual.device:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
                          f"{residual.dtype} must match")
-    D = x.shape[-1]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    xr, rows, stride = _as_rows(x)
-    rr, _, rstride = _as_rows(residual)
-    if rows == 0 or D == 0:
-        return y, s
-    if weight is not None:
-        if weight.shape[-1] != D or weight.numel() != D:
-            raise ValueError(f"weight shape {tuple(weight.shape)} does not match last dim {D}")
-        if weight.dtype not in TL_DTYPE:
-            weight = weight.to(torch.float32)
-        weight = weight.reshape(D).contiguous()
-    bd = block_d or min(next_pow2(D), max_block_d)
-    chunks = triton.cdiv(D, bd)
-    bm = block_m or min(next_pow2(rows), max(1, _TILE // bd))
-    nw = num_warps or _warps(bm * bd)
-    _rms_norm_kernel[(triton.cdiv(rows, bm),)](
-        xr, weight if weight is not None else xr, y, rows, stride, float(eps), rr, rstride, s, D=D,
-        HAS_W=weight is not None, BLOCK_M=bm, BLOCK_D=bd, NUM_CHUNKS=chunks, HAS_RES=True, num_warps=nw)
-    return y, s
+    return _norm_rows(x, residual, weight, eps, block_m, block_d, max_block_d, num_warps)
 
 
 def _gated(x: torch.Tensor, situ: bool, beta: float, linear_beta: float | None, block_m: int | None,
