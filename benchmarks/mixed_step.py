@@ -34,6 +34,7 @@ from _util import SET_HELP, apply_sets, print_table  # noqa: E402
 
 from k3serve.sampling_params import SamplingParams
 from k3serve.workers.llm import LLM
+from k3serve.workers.model.config import K3Config
 from k3serve.workers.model.make_model import make_model
 
 
@@ -282,6 +283,8 @@ def main() -> int:
     ap.add_argument("--syncs", type=int, default=0, metavar="N",
                     help="CUDA: two more prefill-part steps, one in sync-debug mode (the N call sites that made the "
                          "host wait) and one under the profiler (runtime calls' host time, kernel busy time)")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="load this checkpoint (e.g. vs_transformers.py --save-model DIR's) instead of --preset")
     ap.add_argument("--host", type=int, default=0, metavar="N",
                     help="one more prefill-part step under cProfile: print its N functions of most own time")
     args = ap.parse_args()
@@ -298,10 +301,13 @@ def main() -> int:
             if not hasattr(moe, name):
                 ap.error(f"--moe: kernels/triton/moe.py has no {name!r}")
             setattr(moe, name, int(value) if value.lstrip("-").isdigit() else value)
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        ap.error(f"--model: no config.json in {args.model}")
     apply_sets(ap, args.set)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    with tempfile.TemporaryDirectory() as d:
-        cfg = make_model(d, args.preset, device=args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = args.model or tmp
+        cfg = K3Config.from_pretrained(d) if args.model else make_model(d, args.preset, device=args.device)
         llm = LLM(d, device=args.device, dtype=dtype, max_num_seqs=args.decodes + 1,
                   max_model_len=max(args.chunk, args.context) + 80, max_num_batched_tokens=args.chunk + args.decodes,
                   enable_prefix_caching=False, skip_tokenizer_init=True)
@@ -320,7 +326,8 @@ def main() -> int:
         if args.host > 0:
             host_profile(eng, rng, cfg.vocab_size, args.chunk, args.device, args.host)
     what = "kernels" if args.device == "cuda" else "op self time (CPU stand-in)"
-    print(f"# {args.preset} preset, {args.device}, {dtype}: {args.decodes} decodes of {args.context}-token prompts + "
+    print(f"# {args.model or args.preset + ' preset'}, {args.device}, {dtype}: {args.decodes} decodes of "
+          f"{args.context}-token prompts + "
           f"one {args.chunk}-token prefill chunk; median of {args.repeats}")
     rows = []
     for key, label in (("wall", "wall"), ("kernels", what)):

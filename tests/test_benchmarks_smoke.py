@@ -160,6 +160,24 @@ def test_mixed_step_smallest_run():
         assert abs(ratio - mixed / (dec + pre)) < 2e-3
 
 
+def test_mixed_step_loads_a_checkpoint(tmp_path):
+    """mixed_step.py --model DIR runs a saved checkpoint (a `tiny` one here; on the GPU vs_transformers.py
+    --save-model's) instead of generating --preset's; a directory without config.json is a usage error (exit 2)."""
+    from k3serve.workers.model.make_model import make_model
+
+    make_model(str(tmp_path), "tiny")
+    out = _run("mixed_step.py", "--device", "cpu", "--model", str(tmp_path), "--chunk", "24", "--context", "8",
+               "--decodes", "2", "--repeats", "1")
+    assert f"# {tmp_path}, cpu, float32: 2 decodes of 8-token prompts + one 24-token prefill chunk" in out, out
+    assert [r[0] for r in _table(out, "measure")[1]] == ["wall", "op self time (CPU stand-in)"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "mixed_step.py"), "--device", "cpu", "--model",
+                           str(empty)], env=dict(os.environ, PYTHONSAFEPATH="1"), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "no config.json" in proc.stderr, proc.stderr
+
+
 def test_set_module_constants():
     """`--set MODULE.NAME=VALUE` (benchmarks/_util.py apply_sets, shared by mixed_step, decode_roofline and
     vs_transformers): ints where they parse, strings otherwise; a missing module or name, or no `=`, exits 2."""
