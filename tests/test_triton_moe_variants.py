@@ -302,16 +302,51 @@ def test_dense_variant(monkeypatch, dt, act, lin):
 
 
 def test_dense_variant_thresholds(monkeypatch):
-    """`takes_dense`: prefill-sized 16-bit batches with MXFP4 weights only, and not above DENSE_MAX_BYTES."""
+    """`takes_dense`: prefill-sized 16-bit batches, with MXFP4 weights (not above DENSE_MAX_BYTES decoded) or
+    unpacked ones in the activations' dtype (no scratch: any size); never a mix of the two."""
     E = 64
     n = moe.DENSE_MIN_PAIRS_PER_EXPERT * E
-    assert moe.takes_dense(n, E, True, torch.bfloat16, 10**6)
-    assert not moe.takes_dense(n - 1, E, True, torch.bfloat16, 10**6)
-    assert not moe.takes_dense(n, E, False, torch.bfloat16, 10**6)
-    assert not moe.takes_dense(n, E, True, torch.float32, 10**6)
-    assert not moe.takes_dense(n, E, True, torch.bfloat16, moe.DENSE_MAX_BYTES // 2 + 1)
+    big = moe.DENSE_MAX_BYTES // 2 + 1
+    for kind in ("mxfp4", "unpacked"):
+        assert moe.takes_dense(n, E, kind, torch.bfloat16, 10**6)
+        assert moe.takes_dense(n, E, kind, torch.float16, 10**6)
+        assert not moe.takes_dense(n - 1, E, kind, torch.bfloat16, 10**6)
+        assert not moe.takes_dense(n, E, kind, torch.float32, 10**6)
+    assert not moe.takes_dense(n, E, "mxfp4", torch.bfloat16, big)
+    assert moe.takes_dense(n, E, "unpacked", torch.bfloat16, big)
+    assert not moe.takes_dense(n, E, None, torch.bfloat16, 10**6)
     monkeypatch.setattr(moe, "DENSE_MIN_PAIRS_PER_EXPERT", 0)
-    assert not moe.takes_dense(10**6, E, True, torch.bfloat16, 10**6)
+    assert not moe.takes_dense(10**6, E, "mxfp4", torch.bfloat16, 10**6)
+    assert not moe.takes_dense(10**6, E, "unpacked", torch.bfloat16, 10**6)
+    w = torch.zeros(2, 4, 8)
+    assert moe.dense_weights(True, True, w, w, torch.bfloat16) == "mxfp4"
+    assert moe.dense_weights(False, False, w.bfloat16(), w.bfloat16(), torch.bfloat16) == "unpacked"
+    assert moe.dense_weights(False, False, w, w, torch.bfloat16) is None  # fp32 experts, bf16 activations
+    assert moe.dense_weights(True, False, w, w, torch.float32) is None
     with pytest.raises(ValueError, match="dense"):
-        z, tw, ids, kw = _case(4, 4, 2, 64, 32, 32, (False, False), seed=1)
+        z, tw, ids, kw = _case(4, 4, 2, 64, 32, 32, (True, False), seed=1)
         moe_experts_triton(z, tw, ids, variant="dense", **kw)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_dense_variant_on_unpacked_weights(monkeypatch, dt):
+    """Unpacked experts (Kimi-Linear checkpoints) take the "dense" variant as they are: 64-row blocks, no decode
+    (`mxfp4_to_dense` is not called), equal to the reference and to the 16-row "dot" path; "auto" takes it from
+    DENSE_MIN_PAIRS_PER_EXPERT pairs per expert in 16-bit activations only."""
+    T, E, k = 150, 4, 2
+    z, tw, ids, kw = _case(T, E, k, 96, 64, 72, (False, False), seed=7)
+    ids[::7, 0] = -1
+    monkeypatch.setattr(moe, "mxfp4_to_dense", lambda *a, **k_: pytest.fail("unpacked weights were decoded"))
+    seen = []
+    real = moe._dot_path
+    monkeypatch.setattr(moe, "_dot_path", lambda *a, **kw_: seen.append(kw_.get("bm")) or real(*a, **kw_))
+    dense = _check(z, tw, ids, kw, dt, "situ", None, dict(variant="dense"))
+    assert seen[-1] == moe.DENSE_BM
+    dot = _check(z, tw, ids, kw, dt, "situ", None, dict(variant="dot"))
+    assert seen[-1] is None and abs(dense - dot) < (1e-5 if dt == torch.float32 else 2e-2)
+    monkeypatch.setattr(moe, "DENSE_MIN_PAIRS_PER_EXPERT", 64)  # 300 pairs over 4 experts: 75 per expert
+    _check(z, tw, ids, kw, dt, "situ", None, dict(variant="auto"))
+    assert seen[-1] == (moe.DENSE_BM if dt == torch.bfloat16 else None)
+    monkeypatch.setattr(moe, "DENSE_MIN_PAIRS_PER_EXPERT", 76)
+    _check(z, tw, ids, kw, dt, "situ", None, dict(variant="auto"))
+    assert seen[-1] is None

@@ -678,10 +678,11 @@ def dot_block_rows(P: int, E: int) -> int:
 
 
 DENSE_MIN_PAIRS_PER_EXPERT = 64
-"""variant="auto" with MXFP4 weights and 16-bit activations: from this many routed pairs per expert on average
-(prefill chunks: 512 tokens of the small preset) the experts are decoded ONCE into 16-bit weights
-(`mxfp4_to_dense`, one pass over them) and the "dot" kernels run on those with DENSE_BM-row blocks ("dense"
-variant), instead of every 16-row block decoding its expert's MXFP4 tiles again. 0 turns it off."""
+"""variant="auto" with 16-bit activations: from this many routed pairs per expert on average (prefill chunks: 512
+tokens of the small preset) the "dot" kernels run on 16-bit weights with DENSE_BM-row blocks ("dense" variant):
+MXFP4 experts are first decoded ONCE (`mxfp4_to_dense`, one pass over them) instead of every 16-row block decoding
+its expert's tiles again; unpacked experts in the activations' dtype (Kimi-Linear checkpoints) are used as they are,
+each weight tile then read once for 64 rows instead of 16. 0 turns it off."""
 DENSE_BM = 64
 """Rows (routed pairs of one expert) per sorted block of the "dense" variant."""
 DENSE_TILES = ((64, 64, 64, 64), (8, 4))
@@ -703,10 +704,20 @@ def mxfp4_to_dense(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat
     return out
 
 
-def takes_dense(P: int, E: int, fp4: bool, dtype, weight_elems: int) -> bool:
-    """variant="auto": whether a batch of P routed pairs over E experts takes the "dense" variant."""
-    return (fp4 and DENSE_MIN_PAIRS_PER_EXPERT > 0 and P >= DENSE_MIN_PAIRS_PER_EXPERT * E
-            and dtype in (torch.bfloat16, torch.float16) and 2 * weight_elems <= DENSE_MAX_BYTES)
+def dense_weights(fp4_1: bool, fp4_2: bool, W1: torch.Tensor, W2: torch.Tensor, dtype) -> str | None:
+    """What the "dense" variant makes of the experts' weights: "mxfp4" (both packed: decoded into a scratch first),
+    "unpacked" (both already in the activations' dtype: used as they are), None (a mix: no "dense" variant)."""
+    if fp4_1 and fp4_2:
+        return "mxfp4"
+    return "unpacked" if not (fp4_1 or fp4_2) and W1.dtype == W2.dtype == dtype else None
+
+
+def takes_dense(P: int, E: int, weights: str | None, dtype, weight_elems: int) -> bool:
+    """variant="auto": whether a batch of P routed pairs over E experts takes the "dense" variant; `weights` as
+    `dense_weights` says (MXFP4 ones only while their decoded scratch, 2 bytes an element, fits DENSE_MAX_BYTES)."""
+    return (weights is not None and DENSE_MIN_PAIRS_PER_EXPERT > 0 and P >= DENSE_MIN_PAIRS_PER_EXPERT * E
+            and dtype in (torch.bfloat16, torch.float16)
+            and (weights == "unpacked" or 2 * weight_elems <= DENSE_MAX_BYTES))
 
 
 VARIANTS = ("blocks", "gemv", "dot", "dense", "auto")
@@ -777,8 +788,8 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     Tuning knobs (None = the defaults): `variant` (default DEFAULT_VARIANT) "blocks" (sorted blocks of <= 16
     pairs of one expert, tl.dot), "gemv" (decode path: one routed pair per program, no sorting, fp32 FMAs on
     a lean MXFP4 decode), "dot" (sorted blocks like "blocks", lean MXFP4 decode into tl.dot, persistent
-    programs over the device-side block count), "dense" (MXFP4 experts decoded once into 16-bit weights, then the
-    "dot" kernels on those with DENSE_BM-row blocks: prefill chunks) or "auto" (by T * topk, see
+    programs over the device-side block count), "dense" (the "dot" kernels with DENSE_BM-row blocks on 16-bit weights:
+    MXFP4 experts decoded once first, unpacked ones as they are; prefill chunks) or "auto" (by T * topk, see
     AUTO_GEMV_MAX_PAIRS and DENSE_MIN_PAIRS_PER_EXPERT);
     bn1/bk1 (gate/up tile: rows of I, K over DIN), bn2/bk2 (down tile: rows of DOUT, K over I); num_warps (an
     int, or a pair for the two kernels); num_stages; `combine` ("gemv", default GEMV_COMBINE): "atomic" (fp32
@@ -810,14 +821,16 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
     tw = topk_weights.reshape(-1).contiguous()
     act_args = (float(4.0 if situ_beta is None else situ_beta), float(situ_linear_beta or 1.0),
                 activation == "situ", situ_linear_beta is not None)
+    kind = dense_weights(fp4_1, fp4_2, W1, W2, zc.dtype)
     if variant == "auto":
-        dense = takes_dense(P, E, fp4_1 and fp4_2, zc.dtype, W1.numel() * 2 + W2.numel() * 2)
+        dense = takes_dense(P, E, kind, zc.dtype, W1.numel() * 2 + W2.numel() * 2)
         variant = "gemv" if P <= AUTO_GEMV_MAX_PAIRS else ("dense" if dense else "dot")
     if variant == "dense":
-        if not (fp4_1 and fp4_2):
-            raise ValueError('variant="dense": needs MXFP4 weights (dense weights take "dot")')
+        if kind is None:
+            raise ValueError('variant="dense": needs both experts\' weights in MXFP4, or both unpacked in the '
+                             f'activations\' dtype {zc.dtype} (others take "dot")')
         dt = zc.dtype if zc.dtype in (torch.bfloat16, torch.float16) else torch.float32
-        D1, D2 = mxfp4_to_dense(W1, S1, dt), mxfp4_to_dense(W2, S2, dt)
+        D1, D2 = (mxfp4_to_dense(W1, S1, dt), mxfp4_to_dense(W2, S2, dt)) if kind == "mxfp4" else (W1, W2)
         t0, w0 = DENSE_TILES
         warps = tuple(num_warps) if isinstance(num_warps, (tuple, list)) else (
             (num_warps, num_warps) if num_warps else w0)

@@ -262,11 +262,12 @@ def test_moe_experts_gpu(T, fp4, dt):
     assert rel(o, ref) < TOL[dt], rel(o, ref)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["mxfp4", "unpacked"])
 @pytest.mark.parametrize("variant", ["dense", "dot", "auto"])
-def test_moe_experts_prefill_gpu(variant):
-    """Prefill-sized bf16 batches: the "dense" variant (experts decoded once, 64-row blocks on 16-bit weights),
-    the MXFP4 "dot" path and what "auto" picks (dense here) against the reference; the decode pass == the
-    reference dequantization on the GPU."""
+def test_moe_experts_prefill_gpu(variant, packed):
+    """Prefill-sized bf16 batches: the "dense" variant (64-row blocks on 16-bit weights: MXFP4 experts decoded
+    once first, unpacked bf16 ones as they are), the 16-row "dot" path and what "auto" picks (dense here) against
+    the reference; the decode pass == the reference dequantization on the GPU."""
     from k3serve.kernels.reference.mxfp4 import mxfp4_dequantize
     from k3serve.kernels.triton import moe
 
@@ -278,12 +279,15 @@ def test_moe_experts_prefill_gpu(variant):
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     ids[::9, 0] = -1
     tw = torch.rand(T, k, generator=g)
-    p13, s13 = mxfp4_quantize(w13)
-    p2, s2 = mxfp4_quantize(w2)
-    kw = dict(w13_packed=p13, w13_scale=s13, w2_packed=p2, w2_scale=s2)
-    assert moe.takes_dense(T * k, E, True, torch.bfloat16, 10**6)
-    d = moe.mxfp4_to_dense(p13.to(DEV), s13.to(DEV), torch.bfloat16)
-    assert torch.equal(d.cpu().float(), mxfp4_dequantize(p13, s13).bfloat16().float())
+    if packed:
+        p13, s13 = mxfp4_quantize(w13)
+        p2, s2 = mxfp4_quantize(w2)
+        kw = dict(w13_packed=p13, w13_scale=s13, w2_packed=p2, w2_scale=s2)
+        d = moe.mxfp4_to_dense(p13.to(DEV), s13.to(DEV), torch.bfloat16)
+        assert torch.equal(d.cpu().float(), mxfp4_dequantize(p13, s13).bfloat16().float())
+    else:
+        kw = dict(w13=w13.bfloat16(), w2=w2.bfloat16())
+    assert moe.takes_dense(T * k, E, "mxfp4" if packed else "unpacked", torch.bfloat16, 10**6)
     ref = reference.moe_experts(z.double(), tw.double(), ids, situ_linear_beta=25.0,
                                 **{a: (t.double() if t.is_floating_point() else t) for a, t in kw.items()})
     poison_allocator()
