@@ -301,6 +301,36 @@ def test_dense_variant(monkeypatch, dt, act, lin):
     assert seen[-1] == (True, None)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["mxfp4", "unpacked"])
+def test_dense_variant_per_pair_sum(monkeypatch, packed):
+    """From PAIR_SUM_MIN_PAIRS pairs the "dense" down GEMM stores each pair's weighted row and one kernel sums each
+    token's rows (no atomics): equal to the reference and to the atomic combine, invalid pairs (never written)
+    left out of the sums, tokens whose every pair is invalid give 0; above PAIR_SUM_MAX_BYTES, or with 0, atomics."""
+    T, E, k, DOUT = 90, 4, 3, 40
+    z, tw, ids, kw = _case(T, E, k, 64, 64, DOUT, (packed, packed), seed=11)
+    ids[::4, 1] = -1
+    ids[7] = -1  # a token with no valid pair
+    launched = []
+    real = moe._moe_pair_sum_kernel
+    monkeypatch.setattr(moe, "_moe_pair_sum_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        launched.append(grid) or real[grid])})())
+    monkeypatch.setattr(moe, "PAIR_SUM_MIN_PAIRS", T * k)
+    out_pair = moe_experts_triton(z, tw, ids, variant="dense", **kw)
+    assert launched == [(T, 1)]
+    _check(z, tw, ids, kw, torch.float32, "situ", None, dict(variant="dense"))
+    assert torch.equal(out_pair[7], torch.zeros(DOUT))
+    monkeypatch.setattr(moe, "PAIR_SUM_MIN_PAIRS", T * k + 1)  # one pair short: the atomic combine
+    out_atomic = moe_experts_triton(z, tw, ids, variant="dense", **kw)
+    assert len(launched) == 2 and rel(out_pair, out_atomic) < 1e-6
+    monkeypatch.setattr(moe, "PAIR_SUM_MIN_PAIRS", 1)
+    monkeypatch.setattr(moe, "PAIR_SUM_MAX_BYTES", T * k * DOUT * 4 - 1)  # the buffer one byte too large
+    moe_experts_triton(z, tw, ids, variant="dense", **kw)
+    monkeypatch.setattr(moe, "PAIR_SUM_MIN_PAIRS", 0)
+    monkeypatch.setattr(moe, "PAIR_SUM_MAX_BYTES", 1 << 40)
+    moe_experts_triton(z, tw, ids, variant="dense", **kw)
+    assert len(launched) == 2
+
+
 def test_dense_variant_thresholds(monkeypatch):
     """`takes_dense`: prefill-sized 16-bit batches, with MXFP4 weights (not above DENSE_MAX_BYTES decoded) or
     unpacked ones in the activations' dtype (no scratch: any size); never a mix of the two."""

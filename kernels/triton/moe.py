@@ -509,8 +509,10 @@ def _moe_dot1_kernel(z_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_pt
 @triton.jit
 def _moe_dot2_kernel(h_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, P, I, DOUT,
                      TOPK, w_e, w_n, s_e, s_n, BN: tl.constexpr, BK: tl.constexpr, FP4: tl.constexpr,
-                     PREC: tl.constexpr, BMR: tl.constexpr):
-    """Down GEMM + weighted combine (fp32 atomic adds) over sorted blocks, persistent like `_moe_dot1_kernel`."""
+                     PREC: tl.constexpr, BMR: tl.constexpr, PER_PAIR: tl.constexpr = False):
+    """Down GEMM + weighted combine (fp32 atomic adds into out [T, DOUT]) over sorted blocks, persistent like
+    `_moe_dot1_kernel`; PER_PAIR: each pair's weighted row stored to out [P, DOUT] instead (no atomics), summed
+    per token afterwards by `_moe_pair_sum_kernel`."""
     NT = tl.cdiv(DOUT, BN)
     nblk = tl.load(nblk_ptr)
     for w in range(tl.program_id(0), nblk * NT, tl.num_programs(0)):
@@ -522,7 +524,25 @@ def _moe_dot2_kernel(h_ptr, sid_ptr, order_ptr, start_ptr, nblk_ptr, w_ptr, s_pt
         acc, _ = _dot_rows(h_ptr, I, r.to(tl.int64), rm, w_ptr, s_ptr, e, rn, mn, I, w_e, w_n, s_e, s_n, BN, BK,
                            FP4, PREC, False, 0, BMR)
         wt = tl.load(tw_ptr + pair, mask=rm, other=0.0).to(tl.float32)
-        tl.atomic_add(out_ptr + tok[:, None] * DOUT + rn[None, :], acc * wt[:, None], mask=rm[:, None] & mn[None, :])
+        if PER_PAIR:
+            tl.store(out_ptr + pair[:, None] * DOUT + rn[None, :], acc * wt[:, None], mask=rm[:, None] & mn[None, :])
+        else:
+            tl.atomic_add(out_ptr + tok[:, None] * DOUT + rn[None, :], acc * wt[:, None],
+                          mask=rm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _moe_pair_sum_kernel(y_ptr, ids_ptr, out_ptr, DOUT, TOPK: tl.constexpr, BN: tl.constexpr):
+    """out[t] = the sum of y[t * TOPK + j] over token t's valid pairs (expert id >= 0: the others were never
+    written), in fp32 in pair order, stored in out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = rn < DOUT
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        ok = tl.load(ids_ptr + t * TOPK + j) >= 0
+        acc += tl.load(y_ptr + (t * TOPK + j) * DOUT + rn, mask=mn & ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * DOUT + rn, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mn)
 
 
 ROUTE_KERNEL = True
@@ -631,7 +651,9 @@ def _num_sms(dev) -> int:
 
 
 def _dot_path(zc, tw, topk_ids, E, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT, TOPK, act_args, tiles, warps,
-              num_stages, programs, bm=None):
+              num_stages, programs, bm=None, per_pair=False):
+    """The "dot" kernels (and the "dense" variant's); `per_pair`: the down GEMM stores every pair's weighted row
+    (fp32 [P, DOUT]) and one more kernel sums each token's rows, instead of fp32 atomic adds (see PAIR_SUM_MIN_PAIRS)."""
     P = T * TOPK
     dev = zc.device
     bm = bm or dot_block_rows(P, E)
@@ -641,8 +663,11 @@ def _dot_path(zc, tw, topk_ids, E, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT
     if fp4_2:
         W2 = _words(W2)
     h = torch.empty(P, I, dtype=zc.dtype, device=dev)
-    zb = 512 if DOT1_ZEROS_OUT else 0
-    out = _accumulator(T, DOUT, dev) if zb else torch.zeros(T, DOUT, dtype=torch.float32, device=dev)
+    zb = 512 if DOT1_ZEROS_OUT and not per_pair else 0
+    if per_pair:
+        out = torch.empty(P, DOUT, dtype=torch.float32, device=dev)  # every valid pair's row written by dot2
+    else:
+        out = _accumulator(T, DOUT, dev) if zb else torch.zeros(T, DOUT, dtype=torch.float32, device=dev)
     prec = dot_precision(zc.dtype)
     bn1, bk1, bn2, bk2 = tiles
     situ_beta, lin_beta, situ, has_lin = act_args
@@ -655,9 +680,15 @@ def _dot_path(zc, tw, topk_ids, E, W1, S1, fp4_1, W2, S2, fp4_2, T, DIN, I, DOUT
     _moe_dot2_kernel[(min(P * triton.cdiv(DOUT, bn2), cap),)](
         h, sid, order, starts, nblk, W2, S2, tw, out, P, I, DOUT, TOPK, W2.stride(0), W2.stride(1),
         S2.stride(0) if fp4_2 else 0, S2.stride(1) if fp4_2 else 0, BN=bn2, BK=bk2, FP4=fp4_2, PREC=prec, BMR=bm,
-        **_launch_opts(warps[1], num_stages),
+        PER_PAIR=per_pair, **_launch_opts(warps[1], num_stages),
     )
-    return out.to(zc.dtype)
+    if not per_pair:
+        return out.to(zc.dtype)
+    res = torch.empty(T, DOUT, dtype=zc.dtype, device=dev)
+    BN = min(1024, next_pow2(DOUT))
+    _moe_pair_sum_kernel[(T, triton.cdiv(DOUT, BN))](out, topk_ids.contiguous(), res, DOUT, TOPK=TOPK, BN=BN,
+                                                    num_warps=4)
+    return res
 
 
 DOT_BM_LARGE = 16
@@ -687,6 +718,13 @@ DENSE_BM = 64
 """Rows (routed pairs of one expert) per sorted block of the "dense" variant."""
 DENSE_TILES = ((64, 64, 64, 64), (8, 4))
 """The "dense" variant's tiles (gate/up rows, K; down rows, K) and warps (gate/up, down) where no knob is given."""
+PAIR_SUM_MIN_PAIRS = 4096
+"""The "dense" variant (prefill) from this many routed pairs: its down GEMM stores each pair's weighted row (fp32
+[P, DOUT], at most PAIR_SUM_MAX_BYTES) and one kernel sums each token's rows in pair order, instead of P x DOUT fp32
+atomic adds into [T, DOUT] (run 20, H100, a 16K-token step of the vs-transformers model: the atomic down GEMM
+1.3 ms a layer against 0.93 for the gate/up GEMM with twice its FLOPs). 0 turns it off (atomics everywhere)."""
+PAIR_SUM_MAX_BYTES = 1 << 30
+"""Largest per-pair buffer (P x DOUT x 4 bytes) the "dense" variant takes; above it, the atomic combine."""
 DENSE_MAX_BYTES = 4 << 30
 """The "dense" variant's scratch (all experts' 16-bit weights) is at most this many bytes; above it "auto" keeps
 the MXFP4 "dot" path (the K3 shape at full size would need 7.4 GB per layer)."""
@@ -836,8 +874,9 @@ def moe_experts_triton(z, topk_weights, topk_ids, *, w13=None, w2=None, w13_pack
             (num_warps, num_warps) if num_warps else w0)
         tiles = (bn1 or t0[0], bk1 or min(t0[1], max(16, next_pow2(DIN))), bn2 or t0[2],
                  bk2 or min(t0[3], max(16, next_pow2(I))))
+        per_pair = 0 < PAIR_SUM_MIN_PAIRS <= P and P * DOUT * 4 <= PAIR_SUM_MAX_BYTES
         return _dot_path(zc, tw, topk_ids, E, D1, D1, False, D2, D2, False, T, DIN, I, DOUT, TOPK, act_args, tiles,
-                         warps, num_stages, programs, bm=DENSE_BM)
+                         warps, num_stages, programs, bm=DENSE_BM, per_pair=per_pair)
     if variant in ("gemv", "dot"):
         per_token = combine != "atomic"
         tiles, warps = _tiles(variant, fp4_1, fp4_2, DIN, I, bn1, bk1, bn2, bk2, num_warps,
