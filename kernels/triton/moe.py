@@ -718,11 +718,12 @@ DENSE_BM = 64
 """Rows (routed pairs of one expert) per sorted block of the "dense" variant."""
 DENSE_TILES = ((64, 64, 64, 64), (8, 4))
 """The "dense" variant's tiles (gate/up rows, K; down rows, K) and warps (gate/up, down) where no knob is given."""
-PAIR_SUM_MIN_PAIRS = 4096
-"""The "dense" variant (prefill) from this many routed pairs: its down GEMM stores each pair's weighted row (fp32
-[P, DOUT], at most PAIR_SUM_MAX_BYTES) and one kernel sums each token's rows in pair order, instead of P x DOUT fp32
-atomic adds into [T, DOUT] (run 20, H100, a 16K-token step of the vs-transformers model: the atomic down GEMM
-1.3 ms a layer against 0.93 for the gate/up GEMM with twice its FLOPs). 0 turns it off (atomics everywhere)."""
+PAIR_SUM_MIN_PAIRS = 0
+"""The "dense" variant (prefill) from this many routed pairs (> 0): its down GEMM stores each pair's weighted row
+(fp32 [P, DOUT], at most PAIR_SUM_MAX_BYTES) and one kernel sums each token's rows in pair order, instead of
+P x DOUT fp32 atomic adds into [T, DOUT]. Why: in run 20 (H100, a 16K-token step of the vs-transformers model) the
+atomic down GEMM took 1.3 ms a layer against 0.93 for the gate/up GEMM with twice its FLOPs. 0 (the default until
+benchmarks/sweep_moe_prefill.py has measured it on a GPU; no device time was left for it): atomics everywhere."""
 PAIR_SUM_MAX_BYTES = 1 << 30
 """Largest per-pair buffer (P x DOUT x 4 bytes) the "dense" variant takes; above it, the atomic combine."""
 DENSE_MAX_BYTES = 4 << 30

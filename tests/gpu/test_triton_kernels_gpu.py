@@ -263,13 +263,17 @@ def test_moe_experts_gpu(T, fp4, dt):
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["mxfp4", "unpacked"])
-@pytest.mark.parametrize("variant", ["dense", "dot", "auto"])
-def test_moe_experts_prefill_gpu(variant, packed):
+@pytest.mark.parametrize("variant,pair_sum", [("dense", 0), ("dense", 1), ("dot", 0), ("auto", 0), ("auto", 1)],
+                         ids=["dense", "dense-pair-sum", "dot", "auto", "auto-pair-sum"])
+def test_moe_experts_prefill_gpu(monkeypatch, variant, packed, pair_sum):
     """Prefill-sized bf16 batches: the "dense" variant (64-row blocks on 16-bit weights: MXFP4 experts decoded
     once first, unpacked bf16 ones as they are), the 16-row "dot" path and what "auto" picks (dense here) against
-    the reference; the decode pass == the reference dequantization on the GPU."""
+    the reference, the "dense" down GEMM's combine both ways (atomics, per-pair rows summed: PAIR_SUM_MIN_PAIRS);
+    the decode pass == the reference dequantization on the GPU."""
     from k3serve.kernels.reference.mxfp4 import mxfp4_dequantize
     from k3serve.kernels.triton import moe
+
+    monkeypatch.setattr(moe, "PAIR_SUM_MIN_PAIRS", pair_sum)
 
     g = gen()
     T, E, k, DIN, I, DOUT = 1024, 32, 8, 512, 128, 384
