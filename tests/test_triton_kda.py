@@ -398,3 +398,30 @@ def test_chunked_reuses_the_batch_plan_for_the_same_tensors(monkeypatch):
     assert len(builds) == 2
     run(cu, si.clone(), init)  # a new tensor object with the same values: rebuilt, never trusted by value
     assert len(builds) == 3
+
+
+@pytest.mark.parametrize("variant", ["fused", "split"])
+def test_chunked_reads_strided_qkv(monkeypatch, variant):
+    """q, k, v as column slices of one [T, 3·H·K] tensor (the conv output the engine splits): the fused prep kernel
+    reads them at their token stride (no copies: `Tensor.contiguous` is not called on them), the other variants copy
+    them; either way bit for bit the result of contiguous inputs."""
+    lens = [70, 13, 1]
+    q, k, v, gg, beta = inputs(lens, 5)
+    T = q.shape[0]
+    merged = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=1)
+    qs, ks, vs = merged[:, : H * K].view(T, H, K), merged[:, H * K : 2 * H * K].view(T, H, K), merged[:, 2 * H * K :].view(T, H, V)
+    assert not qs.is_contiguous() and qs.stride(0) == 2 * H * K + H * V
+    si, init = torch.tensor([0, 1, 2]), torch.tensor([True, False, True])
+    pool = torch.randn(3, H, V, K)
+    pool2 = pool.clone()
+    kw = {} if variant == "fused" else dict(prep_variant=variant)
+    want = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu_of(lens), init, **kw)
+    copied = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous",
+                        lambda self, *a, **k_: copied.append(self.data_ptr()) or real(self, *a, **k_))
+    got = kda_chunked_triton(qs, ks, vs, gg, beta, pool2, si, cu_of(lens), init, **kw)
+    monkeypatch.undo()
+    strided = {qs.data_ptr(), ks.data_ptr(), vs.data_ptr()}
+    assert (strided & set(copied)) == (set() if variant == "fused" else strided)
+    assert torch.equal(got, want) and torch.equal(pool2, pool)

@@ -47,24 +47,30 @@ def _load_sub(
     h,
     scale,
     H,
+    sq,
+    sk,
+    sv,
     K: tl.constexpr,
     V: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
+    """Rows t0 + 16i .. of sub-chunk i for head h: q, k, v at token strides sq, sk, sv (elements; heads K or V
+    apart), g and beta contiguous."""
     r = i * 16 + tl.arange(0, 16)
     m = r < n
-    base = (t0 + r).to(tl.int64) * H + h
+    tok = (t0 + r).to(tl.int64)
+    base = tok * H + h
     rk = tl.arange(0, K)
     rv = tl.arange(0, V)
-    qx = tl.load(q_ptr + base[:, None] * K + rk[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    kx = tl.load(k_ptr + base[:, None] * K + rk[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    qx = tl.load(q_ptr + tok[:, None] * sq + h * K + rk[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    kx = tl.load(k_ptr + tok[:, None] * sk + h * K + rk[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     if L2NORM:
         qx = qx * tl.rsqrt(tl.sum(qx * qx, axis=1) + 1e-6)[:, None]
         kx = kx * tl.rsqrt(tl.sum(kx * kx, axis=1) + 1e-6)[:, None]
     qx = qx * scale
     gx = tl.load(g_ptr + base[:, None] * K + rk[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     bx = tl.load(b_ptr + base, mask=m, other=0.0).to(tl.float32)
-    vx = tl.load(v_ptr + base[:, None] * V + rv[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    vx = tl.load(v_ptr + tok[:, None] * sv + h * V + rv[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     return qx, kx, gx, bx, vx
 
 
@@ -164,6 +170,9 @@ def _kda_prep_kernel(
     clen_ptr,
     scale,
     H,
+    sq,
+    sk,
+    sv,
     K: tl.constexpr,
     V: tl.constexpr,
     L2NORM: tl.constexpr,
@@ -177,7 +186,7 @@ def _kda_prep_kernel(
     z16 = tl.zeros([16, 16], dtype=tl.float32)
 
     # ---- sub-chunk 0
-    q0, k0, g0, b0, v0 = _load_sub(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, t0, n, 0, h, scale, H, K, V, L2NORM)
+    q0, k0, g0, b0, v0 = _load_sub(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, t0, n, 0, h, scale, H, sq, sk, sv, K, V, L2NORM)
     c0 = tl.zeros([K], dtype=tl.float32)
     G0 = tl.cumsum(g0, axis=0)
     c1 = tl.sum(g0, axis=0)
@@ -198,7 +207,7 @@ def _kda_prep_kernel(
     _store_rows(aqk_ptr, z16, t0, n, 0, h, H, 16, 48, 64)
 
     # ---- sub-chunk 1
-    q1, k1, g1, b1, v1 = _load_sub(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, t0, n, 1, h, scale, H, K, V, L2NORM)
+    q1, k1, g1, b1, v1 = _load_sub(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, t0, n, 1, h, scale, H, sq, sk, sv, K, V, L2NORM)
     G1 = c1[None, :] + tl.cumsum(g1, axis=0)
     c2 = c1 + tl.sum(g1, axis=0)
     a11, p11 = _diag(q1, k1, G1, c1, c2, PREC)
@@ -223,7 +232,7 @@ def _kda_prep_kernel(
     _store_rows(aqk_ptr, z16, t0, n, 1, h, H, 16, 48, 64)
 
     # ---- sub-chunk 2
-    q2, k2, g2, b2, v2 = _load_sub(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, t0, n, 2, h, scale, H, K, V, L2NORM)
+    q2, k2, g2, b2, v2 = _load_sub(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, t0, n, 2, h, scale, H, sq, sk, sv, K, V, L2NORM)
     G2 = c2[None, :] + tl.cumsum(g2, axis=0)
     c3 = c2 + tl.sum(g2, axis=0)
     a22, p22 = _diag(q2, k2, G2, c2, c3, PREC)
@@ -258,7 +267,7 @@ def _kda_prep_kernel(
     _store_rows(aqk_ptr, z16, t0, n, 2, h, H, 16, 48, 64)
 
     # ---- sub-chunk 3
-    q3, k3, g3, b3, v3 = _load_sub(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, t0, n, 3, h, scale, H, K, V, L2NORM)
+    q3, k3, g3, b3, v3 = _load_sub(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, t0, n, 3, h, scale, H, sq, sk, sv, K, V, L2NORM)
     G3 = c3[None, :] + tl.cumsum(g3, axis=0)
     c4 = c3 + tl.sum(g3, axis=0)
     a33, p33 = _diag(q3, k3, G3, c3, c4, PREC)
@@ -1333,7 +1342,11 @@ def kda_chunked_triton(
         T, dev, cu_seqlens, state_indices, has_initial_state, checkpoint_seq, checkpoint_offsets, checkpoint_slots,
         host,
     )
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    if prep_variant == "fused":  # q, k, v at any token stride (column slices of the conv's output: no copies)
+        q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
+        g, beta = g.contiguous(), beta.contiguous()
+    else:
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     idt = inter_dtype(q.dtype)
     prec = dot_precision(idt)
     o = torch.empty(v.shape, dtype=v.dtype, device=dev)
@@ -1364,7 +1377,10 @@ def kda_chunked_triton(
                 plan.chunk_start,
                 plan.chunk_len,
                 scale,
-                H=H,
+                H,
+                q.stride(0),
+                k.stride(0),
+                v.stride(0),
                 K=K,
                 V=V,
                 L2NORM=l2,

@@ -164,10 +164,11 @@ class K3ForwardModel:
                                lower_bound=cfg.gate_lower_bound, scale=d ** -0.5, **self._ckpt(b, gi), gate=gate,
                                o_norm_weight=self.acc_w[w.prefix + "o_norm.weight"], eps=cfg.rms_norm_eps)
             return linear(y.reshape(T, P), w["o_proj.weight"])
-        qkv, gate = qkv.contiguous(), gate.contiguous()
         if b.spec is not None and b.spec.kda_mix is not None:  # a rollback scheme's verify (spec/rollback.py)
-            o = b.spec.kda_mix(self, i, j, gi, qkv, raw_g, b_logit, b)
+            o = b.spec.kda_mix(self, i, j, gi, qkv.contiguous(), raw_g, b_logit, b)
         else:
+            # qkv stays a column slice of the merged projection: the conv reads it at its row stride, and the
+            # chunked KDA reads q, k, v as column slices of the conv's output (no copies on CUDA)
             ck = self._ckpt(b, gi)
             qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
                                            b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
@@ -178,7 +179,7 @@ class K3ForwardModel:
                                 b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck,
                                 host=b.kda_host[gi] if b.kda_host else None)
         o = ops.rms_norm(cast(o, self.acc), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps)
-        o = cast(o * torch.sigmoid(cast(gate.view(T, h, d), self.acc)), x.dtype)
+        o = cast(o * torch.sigmoid(cast(gate.reshape(T, h, d), self.acc)), x.dtype)
         return linear(o.reshape(T, P), w["o_proj.weight"])
 
     @staticmethod
