@@ -113,6 +113,13 @@ def _add_rms_norm(x, residual, weight, eps):
     return _pw.add_rms_norm_triton(x, residual, weight, eps)
 
 
+def _kda_gate(raw_g, A_log, dt_bias, lower_bound=None):
+    ins = (raw_g, A_log, dt_bias)
+    if not all(_pw.supported(t) and t.device == raw_g.device for t in ins):  # float64 anywhere: the reference
+        return reference.kda_gate(raw_g, A_log, dt_bias, lower_bound)
+    return _pw.kda_gate_triton(raw_g, A_log, dt_bias, lower_bound)
+
+
 def _silu_and_mul(x):
     return _pw.silu_and_mul_triton(x) if _pw.supported(x) else reference.silu_and_mul(x)
 
@@ -135,6 +142,7 @@ IMPLS: dict[str, Callable] = {
     "linear": _linear,
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,
+    "kda_gate": _kda_gate,
     "silu_and_mul": _silu_and_mul,
     "situ_and_mul": _situ_and_mul,
 }

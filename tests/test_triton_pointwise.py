@@ -247,3 +247,45 @@ def test_add_rms_norm_dispatch(monkeypatch):
     monkeypatch.setenv("K3SERVE_KERNELS", "")  # CPU tensors outside triton mode: the reference op
     y2, s2 = ops.add_rms_norm(x, r, w, 1e-5)
     assert calls == [1] and torch.equal(y2, R.rms_norm(x + r, w, 1e-5)) and torch.equal(s2, x + r)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_gate_matches_reference(dtype, lower_bound):
+    """KDA's log-decay gate in one launch: fp32 out within 5e-6 (relative, plus 1e-12 absolute) of the reference on
+    raw values across softplus's range (past its threshold of 20, near it, around 0, and far below, where
+    log1p(e^z) ~ e^z is 1e-9 and smaller), strided rows, 0 / 1 / 37 rows; wrong weight shapes are a ValueError."""
+    g = torch.Generator().manual_seed(3)
+    H, D = 3, 16
+    A_log = torch.randn(H, generator=g)
+    bias = torch.randn(H * D, generator=g)
+    for T in (0, 1, 37):
+        raw = torch.randn(T, H * D + 8, generator=g) * 12
+        if T:
+            raw[0, :6] = torch.tensor([25.0, 20.5, 19.5, -9.0, -30.0, -60.0])
+            raw[-1, :3] = torch.tensor([1e-3, -1e-3, 0.0])
+        x = raw.to(dtype)[:, : H * D].view(T, H, D)  # a column slice: row stride H*D + 8
+        got = P.kda_gate_triton(x, A_log, bias, lower_bound)
+        want = R.kda_gate(x.double(), A_log.double(), bias.double(), lower_bound)
+        assert got.dtype == torch.float32 and got.shape == (T, H, D)
+        assert ((got.double() - want).abs() <= 5e-6 * want.abs() + 1e-12).all()
+    with pytest.raises(ValueError, match="kda_gate"):
+        P.kda_gate_triton(x, A_log[:2], bias, lower_bound)
+    with pytest.raises(ValueError, match="kda_gate"):
+        P.kda_gate_triton(x, A_log, bias[:-1], lower_bound)
+
+
+def test_kda_gate_dispatch(monkeypatch):
+    """ops.kda_gate under K3SERVE_KERNELS=triton runs the kernel for fp32/bf16 inputs and the reference for float64."""
+    from k3serve.kernels import triton_ops
+
+    assert triton_ops.IMPLS["kda_gate"] is triton_ops._kda_gate
+    calls = []
+    real = P.kda_gate_triton
+    monkeypatch.setattr(P, "kda_gate_triton", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    monkeypatch.setenv("K3SERVE_KERNELS", "triton")
+    x = torch.randn(5, 2, 8)
+    a, b = torch.randn(2), torch.randn(16)
+    got = ops.kda_gate(x, a, b)
+    assert calls == [torch.float32] and torch.allclose(got, R.kda_gate(x, a, b), rtol=5e-6, atol=1e-12)
+    assert ops.kda_gate(x.double(), a, b).dtype == torch.float64 and calls == [torch.float32]

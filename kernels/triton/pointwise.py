@@ -1,7 +1,7 @@
-"""Row-wise glue ops in Triton, one launch per call: RMSNorm (alone, or after a residual add) and the gated
-activations SiLU-and-mul and SiTU-and-mul. Contracts: `k3serve.kernels.reference.rms_norm`, `.add_rms_norm`,
-`.silu_and_mul`, `.situ_and_mul` (fp32 math for
-fp16/bf16/fp32 inputs, one rounding to x's dtype at the end; float64 stays on the reference ops).
+"""Row-wise glue ops in Triton, one launch per call: RMSNorm (alone, or after a residual add), the gated
+activations SiLU-and-mul and SiTU-and-mul, and KDA's log-decay gate. Contracts: `k3serve.kernels.reference.rms_norm`,
+`.add_rms_norm`, `.silu_and_mul`, `.situ_and_mul` (fp32 math for fp16/bf16/fp32 inputs, one rounding to x's dtype at
+the end; float64 stays on the reference ops) and `.kda_gate` (fp32 out).
 
 Inputs are seen as [rows, D] with unit last-dim stride and any row stride (e.g. `kv_a[:, :512]` of a [T, 576]
 tensor is read in place); layouts that do not collapse to that are made contiguous first. Outputs are new
@@ -123,6 +123,32 @@ def _gated_act_kernel(x_ptr, y_ptr, n_rows, x_stride, beta, lin_beta, N: tl.cons
     tl.store(y_ptr + r64 * N + cols[None, :], (g * u).to(y_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _kda_gate_kernel(x_ptr, alog_ptr, bias_ptr, y_ptr, n_rows, x_stride, lower_bound, C: tl.constexpr,
+                     HD: tl.constexpr, HAS_LB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """g[t, c] for c = h * HD + d: z = raw_g + dt_bias, a = e^{A_log[h]}; lower_bound * sigmoid(a z) or
+    -a softplus(z) (z past 20: z itself; log1p(e) for e = e^z < 0.1 by its series to e^8, where log(1 + e) would lose
+    the rounding of 1 + e, and the GPU's fast log its absolute error near 1, relative to a small result)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mc = cols < C
+    m = (rows < n_rows)[:, None] & mc[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * x_stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    z = x + tl.load(bias_ptr + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
+    a = tl.exp(tl.load(alog_ptr + cols // HD, mask=mc, other=0.0).to(tl.float32))[None, :]
+    if HAS_LB:
+        g = lower_bound * tl.sigmoid(a * z)
+    else:
+        e = tl.exp(tl.minimum(z, 20.0))
+        s = tl.minimum(e, 0.1)  # (the series is only kept below 0.1: no overflow where it is not)
+        ser = s * (1.0 + s * (-0.5 + s * (1.0 / 3.0 + s * (-0.25 + s * (0.2 + s * (-1.0 / 6.0 + s * (1.0 / 7.0
+                                                                                          - 0.125 * s)))))))
+        sp = tl.where(z > 20.0, z, tl.where(e < 0.1, ser, tl.log(1.0 + e)))
+        g = -a * sp
+    tl.store(y_ptr + r64 * C + cols[None, :], g, mask=m)
+
+
 def supported(x: torch.Tensor) -> bool:
     """True for fp16/bf16/fp32 tensors on CUDA (or on the CPU under the Triton interpreter)."""
     return x.dtype in TL_DTYPE and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
@@ -227,3 +253,26 @@ def situ_and_mul_triton(x: torch.Tensor, beta: float = 4.0, linear_beta: float |
                         num_warps: int | None = None) -> torch.Tensor:
     """Triton `reference.situ_and_mul` (same arguments; knobs as `silu_and_mul_triton`)."""
     return _gated(x, True, beta, linear_beta, block_m, block_n, num_warps)
+
+
+def kda_gate_triton(raw_g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None,
+                    *, block_m: int | None = None, block_n: int | None = None,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """Triton `reference.kda_gate`: raw_g [T, H, D] (any row stride), A_log [H], dt_bias [H*D] -> g [T, H, D] fp32,
+    one launch (the PyTorch form is five elementwise kernels over [T, H*D] in a prefill step). Knobs as
+    `silu_and_mul_triton`."""
+    T, H, D = raw_g.shape
+    if A_log.numel() != H or dt_bias.numel() != H * D:
+        raise ValueError(f"kda_gate: A_log {tuple(A_log.shape)} / dt_bias {tuple(dt_bias.shape)} vs raw_g {(T, H, D)}")
+    y = torch.empty(T, H, D, dtype=torch.float32, device=raw_g.device)
+    xr, rows, stride = _as_rows(raw_g.reshape(T, H * D))
+    if rows == 0:
+        return y
+    C = H * D
+    bn = block_n or min(next_pow2(C), 1024)
+    bm = block_m or min(next_pow2(rows), max(1, _TILE // bn))
+    has_lb = lower_bound is not None
+    _kda_gate_kernel[(triton.cdiv(rows, bm), triton.cdiv(C, bn))](
+        xr, A_log.contiguous(), dt_bias.contiguous(), y, rows, stride, float(lower_bound) if has_lb else 0.0, C=C, HD=D,
+        HAS_LB=has_lb, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or _warps(bm * bn))
+    return y
