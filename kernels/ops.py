@@ -157,6 +157,11 @@ def add_rms_norm(x, residual, weight, eps):
     return _impl("add_rms_norm", x)(x, residual, weight, eps)
 
 
+def rms_norm_gated(x, gate, weight, eps, out_dtype=None):
+    """rms_norm(x) * sigmoid(gate), rounded once to out_dtype: KDA's gated output norm (one kernel on CUDA)."""
+    return _impl("rms_norm_gated", x)(x, gate, weight, eps, out_dtype)
+
+
 def l2_normalize(x, eps=1e-6):
     return _impl("l2_normalize", x)(x, eps)
 

@@ -113,6 +113,14 @@ def _add_rms_norm(x, residual, weight, eps):
     return _pw.add_rms_norm_triton(x, residual, weight, eps)
 
 
+def _rms_norm_gated(x, gate, weight, eps, out_dtype=None):
+    same = all(t is None or t.device == x.device for t in (gate, weight))
+    if not (_pw.supported(x) and _pw.supported(gate) and same) or out_dtype not in (None, *_pw.TL_DTYPE) or (
+            weight is not None and weight.dtype == torch.float64):
+        return reference.rms_norm_gated(x, gate, weight, eps, out_dtype)
+    return _pw.rms_norm_gated_triton(x, gate, weight, eps, out_dtype)
+
+
 def _kda_gate(raw_g, A_log, dt_bias, lower_bound=None):
     ins = (raw_g, A_log, dt_bias)
     if not all(_pw.supported(t) and t.device == raw_g.device for t in ins):  # float64 anywhere: the reference
@@ -142,6 +150,7 @@ IMPLS: dict[str, Callable] = {
     "linear": _linear,
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,
+    "rms_norm_gated": _rms_norm_gated,
     "kda_gate": _kda_gate,
     "silu_and_mul": _silu_and_mul,
     "situ_and_mul": _situ_and_mul,

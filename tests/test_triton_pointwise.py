@@ -289,3 +289,56 @@ def test_kda_gate_dispatch(monkeypatch):
     got = ops.kda_gate(x, a, b)
     assert calls == [torch.float32] and torch.allclose(got, R.kda_gate(x, a, b), rtol=5e-6, atol=1e-12)
     assert ops.kda_gate(x.double(), a, b).dtype == torch.float64 and calls == [torch.float32]
+
+
+@pytest.mark.parametrize("knobs", [{}, dict(max_block_d=32)], ids=["one-chunk", "chunked"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_gated_matches_reference(out_dtype, knobs):
+    """KDA's gated output norm in one launch: rms_norm(x) * sigmoid(gate) in fp32, rounded once to out_dtype; bf16 x
+    and a strided gate (a column slice), 0 / 1 / 37 rows of [tokens, heads, V]; the chunked long-row path; fp32 out
+    within 2e-6 of the reference, bf16 out within one bf16 ulp of its fp32 value; a gate of another shape: ValueError."""
+    g = torch.Generator().manual_seed(9)
+    H, V = 3, 128
+    w = torch.randn(V, generator=g)
+    for T in (0, 1, 37):
+        x = torch.randn(T, H, V, generator=g).bfloat16()
+        gate = (torch.randn(T, H * V + 16, generator=g) * 4).bfloat16()[:, : H * V].view(T, H, V)
+        got = P.rms_norm_gated_triton(x, gate, w, 1e-5, out_dtype, **knobs)
+        want = R.rms_norm_gated(x, gate, w, 1e-5, torch.float32).double()
+        assert got.dtype == out_dtype and got.shape == (T, H, V)
+        tol = 2e-6 if out_dtype == torch.float32 else 2.0**-7
+        assert ((got.double() - want).abs() <= tol * want.abs() + 1e-6).all()
+    with pytest.raises(ValueError, match="rms_norm_gated"):
+        P.rms_norm_gated_triton(x, gate[:, :2], w, 1e-5)
+    with pytest.raises(ValueError, match="rms_norm_gated"):
+        R.rms_norm_gated(x, gate[:, :2], w, 1e-5)
+
+
+def test_rms_norm_gated_reference_is_the_composite():
+    """The reference op is the engine's former composite (workers/engine/k3_forward.py): rms_norm of x cast to the
+    compute dtype, times sigmoid of the gate cast to it, one cast at the end; bit for bit, fp32 and fp64."""
+    g = torch.Generator().manual_seed(10)
+    for dt, acc in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        x, gate = torch.randn(5, 2, 16, generator=g).to(dt), torch.randn(5, 2, 16, generator=g).to(dt)
+        w = torch.randn(16, generator=g).to(acc)
+        old = (R.rms_norm(x.to(acc), w, 1e-6) * torch.sigmoid(gate.to(acc))).to(dt)
+        assert torch.equal(R.rms_norm_gated(x, gate, w, 1e-6, dt), old)
+
+
+def test_rms_norm_gated_dispatch(monkeypatch):
+    """ops.rms_norm_gated under K3SERVE_KERNELS=triton: the kernel for 16-bit / fp32 inputs; the reference when x,
+    the gate or the weight is float64."""
+    from k3serve.kernels import triton_ops
+
+    assert triton_ops.IMPLS["rms_norm_gated"] is triton_ops._rms_norm_gated
+    calls = []
+    real = P.rms_norm_gated_triton
+    monkeypatch.setattr(P, "rms_norm_gated_triton", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    monkeypatch.setenv("K3SERVE_KERNELS", "triton")
+    x, gate, w = torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(8)
+    got = ops.rms_norm_gated(x, gate, w, 1e-6, torch.bfloat16)
+    assert calls == [torch.float32] and got.dtype == torch.bfloat16
+    for args in ((x.double(), gate, w), (x, gate.double(), w), (x, gate, w.double())):
+        out = ops.rms_norm_gated(*args, 1e-6, torch.float32)
+        assert torch.equal(out, R.rms_norm_gated(*args, 1e-6, torch.float32))
+    assert calls == [torch.float32]

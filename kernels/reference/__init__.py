@@ -15,12 +15,13 @@ from .linear import linear
 from .mla import mla_attention_expanded, mla_paged_attention, mla_write_cache
 from .moe_experts import moe_experts
 from .moe_route import moe_route
-from .norms import add_rms_norm, l2_normalize, rms_norm
+from .norms import add_rms_norm, l2_normalize, rms_norm, rms_norm_gated
 
 OPS = (
     "linear",
     "rms_norm",
     "add_rms_norm",
+    "rms_norm_gated",
     "l2_normalize",
     "situ_and_mul",
     "silu_and_mul",
@@ -55,6 +56,7 @@ __all__ = [
     "moe_experts",
     "moe_route",
     "rms_norm",
+    "rms_norm_gated",
     "silu_and_mul",
     "situ_and_mul",
 ]

@@ -1,4 +1,4 @@
-"""Row normalisations: RMSNorm and L2 normalisation over the last dimension."""
+"""Row normalisations: RMSNorm (alone, after a residual add, or gated) and L2 normalisation over the last dimension."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
                          f"{residual.dtype} must match")
     s = x + residual
     return rms_norm(s, weight, eps), s
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """KDA's gated output norm: `rms_norm(x, weight, eps) * sigmoid(gate)` (gate: x's shape), in fp32 (fp64 if x,
+    gate or weight is fp64), rounded once to `out_dtype` (default x's dtype)."""
+    if gate.shape != x.shape:
+        raise ValueError(f"rms_norm_gated: gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
+    dt = compute_dtype(x, gate, weight)
+    y = rms_norm(cast(x, dt), None if weight is None else cast(weight, dt), eps)
+    return cast(y * torch.sigmoid(cast(gate, dt)), out_dtype or x.dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -50,9 +50,10 @@ def _tanh(y):
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, x_stride, eps, res_ptr, res_stride, sum_ptr, D: tl.constexpr,
                      HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-                     HAS_RES: tl.constexpr):
+                     HAS_RES: tl.constexpr, gate_ptr=None, gate_stride=0, HAS_GATE: tl.constexpr = False):
     """y = rms_norm(x) per row; HAS_RES: first s = x + res rounded to s's dtype (stored, contiguous rows), and the
-    norm of s (the two ops apart, fused: one read of x and res, no second read of s when the row fits)."""
+    norm of s (the two ops apart, fused: one read of x and res, no second read of s when the row fits);
+    HAS_GATE: y times sigmoid(gate) (rows of gate at gate_stride) before its one rounding to y's dtype."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mr = rows < n_rows
     r64 = rows.to(tl.int64)
@@ -74,6 +75,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, x_stride, eps, res_ptr, res_st
         y = xf * (1.0 / tl.sqrt_rn(ms + eps))[:, None]
         if HAS_W:
             y = y * tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
+        if HAS_GATE:
+            y = y * tl.sigmoid(tl.load(gate_ptr + r64[:, None] * gate_stride + cols[None, :], mask=m,
+                                       other=0.0).to(tl.float32))
         tl.store(y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:  # long rows: sum of squares over chunks, then a second pass that scales
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -101,6 +105,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, x_stride, eps, res_ptr, res_st
                 y = tl.load(x_row + cc[None, :], mask=m, other=0.0).to(tl.float32) * r
             if HAS_W:
                 y = y * tl.load(w_ptr + cc, mask=mc, other=0.0).to(tl.float32)[None, :]
+            if HAS_GATE:
+                y = y * tl.sigmoid(tl.load(gate_ptr + r64[:, None] * gate_stride + cc[None, :], mask=m,
+                                           other=0.0).to(tl.float32))
             tl.store(y_row + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -173,14 +180,17 @@ def _warps(tile: int) -> int:
 
 
 def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-               block_m: int | None, block_d: int | None, max_block_d: int, num_warps: int | None
+               block_m: int | None, block_d: int | None, max_block_d: int, num_warps: int | None,
+               gate: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One `_rms_norm_kernel` launch: (y, s) with s = x + residual (None without a residual) and y its norm."""
+    """One `_rms_norm_kernel` launch: (y, s) with s = x + residual (None without a residual) and y its norm (times
+    sigmoid(gate) with a gate; y in out_dtype, default x's)."""
     D = x.shape[-1]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     s = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     xr, rows, stride = _as_rows(x)
     rr, _, rstride = (xr, rows, stride) if residual is None else _as_rows(residual)
+    gr, _, gstride = (xr, rows, 0) if gate is None else _as_rows(gate)
     if rows == 0 or D == 0:
         return y, s
     if weight is not None:
@@ -196,7 +206,7 @@ def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
     _rms_norm_kernel[(triton.cdiv(rows, bm),)](
         xr, weight if weight is not None else xr, y, rows, stride, float(eps), rr, rstride, y if s is None else s,
         D=D, HAS_W=weight is not None, BLOCK_M=bm, BLOCK_D=bd, NUM_CHUNKS=chunks, HAS_RES=s is not None,
-        num_warps=nw)
+        gate_ptr=gr, gate_stride=gstride, HAS_GATE=gate is not None, num_warps=nw)
     return y, s
 
 
@@ -207,6 +217,18 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     4096-element tile, at most the row count), `block_d` columns per chunk (default: next_pow2(D) when that is
     <= `max_block_d`, else `max_block_d` with a chunked two-pass loop), `num_warps` (default from the tile)."""
     return _norm_rows(x, None, weight, eps, block_m, block_d, max_block_d, num_warps)[0]
+
+
+def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                          out_dtype: torch.dtype | None = None, *, block_m: int | None = None,
+                          block_d: int | None = None, max_block_d: int = 8192,
+                          num_warps: int | None = None) -> torch.Tensor:
+    """Triton `reference.rms_norm_gated`: rms_norm(x) * sigmoid(gate) in fp32, rounded once to out_dtype (default
+    x's), ONE launch (KDA's gated output norm over [tokens x heads, V] rows). Knobs as `rms_norm_triton`."""
+    if gate.shape != x.shape:
+        raise ValueError(f"rms_norm_gated: gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
+    return _norm_rows(x, None, weight, eps, block_m, block_d, max_block_d, num_warps, gate=gate,
+                      out_dtype=out_dtype)[0]
 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, *,

@@ -202,3 +202,17 @@ def test_kda_gate_gpu(dt, lower_bound):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_gated_gpu(out_dtype):
+    """KDA's gated output norm (one launch through ops.rms_norm_gated) at a prefill size, bf16 x and gate, fp32
+    weight (the engine's call): fp32 out within 2e-5 of the reference's fp32 value, bf16 out within one ulp of it
+    (at most 1 % not equal to it rounded once)."""
+    g = gen()
+    T, H, V = 4099, 16, 128
+    x = rnd((T, H, V), torch.bfloat16, g)
+    gate = rnd((T, H, V), torch.bfloat16, g, 4.0)
+    w = torch.randn(V, generator=g).to(DEV)
+    check(ops.rms_norm_gated(x, gate, w, 1e-5, out_dtype), reference.rms_norm_gated(x, gate, w, 1e-5, torch.float32),
+          out_dtype)

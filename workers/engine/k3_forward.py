@@ -178,8 +178,9 @@ class K3ForwardModel:
             o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
                                 b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck,
                                 host=b.kda_host[gi] if b.kda_host else None)
-        o = ops.rms_norm(cast(o, self.acc), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps)
-        o = cast(o * torch.sigmoid(cast(gate.reshape(T, h, d), self.acc)), x.dtype)
+        # the gated output norm in the accumulation dtype, rounded once to x's (one kernel on CUDA)
+        o = ops.rms_norm_gated(o, gate.reshape(T, h, d), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps,
+                               x.dtype)
         return linear(o.reshape(T, P), w["o_proj.weight"])
 
     @staticmethod
