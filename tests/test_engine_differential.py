@@ -133,7 +133,8 @@ def test_step_logits_equal_the_reference(tmp_path_factory, seed, monkeypatch):
     """The logits of a step, not only its argmax: a chunked prefill then decodes, float64, against the reference's
     logits of the same prefix (token equality alone let a wrong norm weight through: norm weights differ by ~5 %
     between layers, and the random models' argmax survives that). Plain residual stacks: the fused add + norm
-    (k3_forward.FUSED_ADD_NORM) and the two ops apart give the same logits bit for bit."""
+    (k3_forward.FUSED_ADD_NORM) and the two ops apart give the same logits bit for bit, and so do the KDA prefill's
+    glue forms (k3_forward.KDA_PREFILL_GLUE: in-place slices and fused ops, or copies and PyTorch's ops)."""
     import torch
 
     from k3serve.sampling_params import SamplingParams
@@ -146,6 +147,7 @@ def test_step_logits_equal_the_reference(tmp_path_factory, seed, monkeypatch):
     runs = []
     for fused in (True, False):
         monkeypatch.setattr(k3_forward, "FUSED_ADD_NORM", fused)
+        monkeypatch.setattr(k3_forward, "KDA_PREFILL_GLUE", fused)
         llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_batched_tokens=16, max_model_len=64)
         got = []
         real = llm.engine.runner.execute

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from k3serve.kernels import ops
+from k3serve.kernels import ops, reference
 from k3serve.kernels.reference._varlen import cast
 from k3serve.workers.engine.cache_layout import CacheLayout, KVCacheTensors
 from k3serve.workers.engine.forward_batch import ForwardBatch
@@ -39,6 +39,13 @@ FUSED_ADD_NORM = True
 """Plain residual stacks (no Block AttnRes): each residual add and the norm after it as ONE op (`ops.add_rms_norm`:
 one kernel on CUDA instead of an add and a norm; the same values, the sum rounded before the norm reads it).
 False: the add and the norm apart (the earlier form, for benchmarks)."""
+
+KDA_PREFILL_GLUE = True
+"""The chunked KDA prefill's glue without copies and with fused kernels: qkv and the conv output's q, k, v read in
+place as column slices, the log-decay gate as one op (`ops.kda_gate`), the gated output norm as one
+(`ops.rms_norm_gated`). False: the earlier form (copies of the slices, the gate and the gated norm as PyTorch's
+elementwise ops), for benchmarks' before/after (`--set k3serve.workers.engine.k3_forward.KDA_PREFILL_GLUE=0`);
+the same values either way on the reference ops."""
 
 PIN_KERNELS = True
 """`forward` runs inside `ops.pinned_kernels()` (each op's implementation chosen once per pass, not per call);
@@ -170,17 +177,23 @@ class K3ForwardModel:
             # qkv stays a column slice of the merged projection: the conv reads it at its row stride, and the
             # chunked KDA reads q, k, v as column slices of the conv's output (no copies on CUDA)
             ck = self._ckpt(b, gi)
-            qkv = ops.causal_conv1d_varlen(qkv, self.conv_w[i], self.kv.conv_view(j), b.state_indices[gi],
-                                           b.cu_seqlens, b.has_initial_state, activation="silu", **ck)
-            q, k, v = (t.reshape(T, h, d) for t in qkv.split(P, dim=-1))
-            g = ops.kda_gate(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
+            glue = KDA_PREFILL_GLUE
+            qkv = ops.causal_conv1d_varlen(qkv if glue else qkv.contiguous(), self.conv_w[i], self.kv.conv_view(j),
+                                           b.state_indices[gi], b.cu_seqlens, b.has_initial_state, activation="silu",
+                                           **ck)
+            q, k, v = (t.reshape(T, h, d) if glue else t.reshape(T, h, d).contiguous() for t in qkv.split(P, dim=-1))
+            g = (ops.kda_gate if glue else reference.kda_gate)(raw_g, w["A_log"], w["dt_bias"], cfg.gate_lower_bound)
             beta = torch.sigmoid(cast(b_logit, self.acc))
             o = ops.kda_chunked(q, k, v, g, beta, self.kv.ssm_view(j), b.state_indices[gi], b.cu_seqlens,
                                 b.has_initial_state, scale=d ** -0.5, use_qk_l2norm=True, **ck,
                                 host=b.kda_host[gi] if b.kda_host else None)
         # the gated output norm in the accumulation dtype, rounded once to x's (one kernel on CUDA)
-        o = ops.rms_norm_gated(o, gate.reshape(T, h, d), self.acc_w[w.prefix + "o_norm.weight"], cfg.rms_norm_eps,
-                               x.dtype)
+        norm_w = self.acc_w[w.prefix + "o_norm.weight"]
+        if KDA_PREFILL_GLUE:
+            o = ops.rms_norm_gated(o, gate.reshape(T, h, d), norm_w, cfg.rms_norm_eps, x.dtype)
+        else:
+            o = ops.rms_norm(cast(o, self.acc), norm_w, cfg.rms_norm_eps)
+            o = cast(o * torch.sigmoid(cast(gate.reshape(T, h, d), self.acc)), x.dtype)
         return linear(o.reshape(T, P), w["o_proj.weight"])
 
     @staticmethod
