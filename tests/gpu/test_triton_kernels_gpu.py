@@ -111,6 +111,30 @@ def test_kda_chunked_unbounded_gate_and_bf16_pool_gpu():
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_kda_chunked_strided_qkv_gpu(dt):
+    """q, k, v as column slices of one [T, 3·H·K] tensor (the conv output the engine splits): the fused prep kernel
+    reads them at their token stride; bit for bit the result (and the states) of contiguous copies."""
+    from k3serve.kernels.triton.kda_chunk import kda_chunked_triton
+
+    g = gen()
+    lens, H, K = [300, 77, 1], 4, 128
+    T = sum(lens)
+    merged = (torch.randn(T, 3 * H * K, generator=g)).to(dt).to(DEV)
+    q, k, v = (merged[:, i * H * K:(i + 1) * H * K].view(T, H, K) for i in range(3))
+    gg = reference.kda_gate(torch.randn(T, H, K, generator=g), torch.randn(H, generator=g) * 0.5,
+                            torch.randn(H * K, generator=g), -5.0).to(DEV)
+    beta = torch.rand(T, H, generator=g).to(DEV)
+    pool = torch.randn(4, H, K, K, generator=g).to(DEV)
+    pool2 = pool.clone()
+    cu = torch.tensor([0, 300, 377, 378], device=DEV)
+    si, init = torch.tensor([2, 0, 3], device=DEV), torch.tensor([True, False, True], device=DEV)
+    got = kda_chunked_triton(q, k, v, gg, beta, pool, si, cu, init)
+    want = kda_chunked_triton(q.contiguous(), k.contiguous(), v.contiguous(), gg, beta, pool2, si, cu, init)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(pool, pool2)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_kda_decode_shaped_and_recurrent_gpu(dt):
     run_kda("kda_chunked", [1] * 33, 4, dt, ckpt=False)  # T == B: the token-serial path
     run_kda("kda_recurrent", [5, 1, 30, 2], 4, dt)
