@@ -200,3 +200,16 @@ def test_set_module_constants():
         with pytest.raises(SystemExit) as e:
             util.apply_sets(ap, [bad])
         assert e.value.code == 2
+
+
+def test_sweep_moe_prefill_without_cuda():
+    """benchmarks/sweep_moe_prefill.py is GPU-only: on this CPU machine it imports, parses its arguments and exits 2
+    with a message naming the missing device (no traceback)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the GPU run is the benchmark itself")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "sweep_moe_prefill.py"), "--T", "64"],
+                          env=dict(os.environ, PYTHONSAFEPATH="1"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr and "Traceback" not in proc.stderr, (
+        proc.stdout + proc.stderr)
