@@ -13,6 +13,8 @@
 #              e.g. --set k3serve.workers.engine.k3_forward.FUSED_ADD_NORM=0 for the other side of a knob)
 #   gpumixed   the same model's prefill and mixed steps: mixed_step.py --model /tmp/gm (GPUMIXED_ARGS, default: a
 #              16384-token chunk beside 8 decodes, 2 repeats, the top 30 kernels of each step)
+#   moeprefill benchmarks/sweep_moe_prefill.py (MOEPREFILL_ARGS): the MoE on unpacked bf16 experts at prefill sizes,
+#              16-row dot vs 64-row dense with the atomic and the per-pair combine
 # Logs go to $OUT/<step>.log.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -43,6 +45,8 @@ for step in "$@"; do
               python3 benchmarks/mixed_step.py --model /tmp/gm \
                 ${GPUMIXED_ARGS:---chunk 16384 --decodes 8 --context 512 --repeats 2 --top 30} 2>&1 \
                 | grep -v "Warning\|warn(" | tee -a "$OUT/gpumixed.log" ;;
+    moeprefill) python3 benchmarks/sweep_moe_prefill.py ${MOEPREFILL_ARGS:-} 2>&1 | grep -v "Warning\|warn(" \
+                  | tee "$OUT/moeprefill.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "# step $step: $(( $(date +%s) - t )) s"
