@@ -114,9 +114,10 @@ def _add_rms_norm(x, residual, weight, eps):
 
 
 def _rms_norm_gated(x, gate, weight, eps, out_dtype=None):
-    same = all(t is None or t.device == x.device for t in (gate, weight))
-    if not (_pw.supported(x) and _pw.supported(gate) and same) or out_dtype not in (None, *_pw.TL_DTYPE) or (
-            weight is not None and weight.dtype == torch.float64):
+    ok = _pw.supported(x) and _pw.supported(gate) and gate.device == x.device and (out_dtype or x.dtype) in _pw.TL_DTYPE
+    if weight is not None:  # (a float64 weight makes the reference compute in float64)
+        ok = ok and weight.device == x.device and weight.dtype != torch.float64
+    if not ok:
         return reference.rms_norm_gated(x, gate, weight, eps, out_dtype)
     return _pw.rms_norm_gated_triton(x, gate, weight, eps, out_dtype)
 

@@ -179,6 +179,15 @@ def _warps(tile: int) -> int:
     return max(1, min(16, tile // 256))
 
 
+def _tile_2d(rows: int, n: int, block_m: int | None, block_n: int | None, num_warps: int | None
+             ) -> tuple[int, int, int]:
+    """(rows, columns, warps) per program of the 2-D elementwise kernels where no knob is given: up to 1024 columns,
+    rows to fill a _TILE-element tile (at most the row count), warps from the tile."""
+    bn = block_n or min(next_pow2(n), 1024)
+    bm = block_m or min(next_pow2(rows), max(1, _TILE // bn))
+    return bm, bn, num_warps or _warps(bm * bn)
+
+
 def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
                block_m: int | None, block_d: int | None, max_block_d: int, num_warps: int | None,
                gate: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
@@ -252,9 +261,7 @@ def _gated(x: torch.Tensor, situ: bool, beta: float, linear_beta: float | None, 
     xr, rows, stride = _as_rows(x)
     if rows == 0 or n == 0:
         return y
-    bn = block_n or min(next_pow2(n), 1024)
-    bm = block_m or min(next_pow2(rows), max(1, _TILE // bn))
-    nw = num_warps or _warps(bm * bn)
+    bm, bn, nw = _tile_2d(rows, n, block_m, block_n, num_warps)
     has_lin = linear_beta is not None
     _gated_act_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](
         xr, y, rows, stride, float(beta), float(linear_beta) if has_lin else 1.0, N=n, SITU=situ, HAS_LIN=has_lin,
@@ -291,10 +298,9 @@ def kda_gate_triton(raw_g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Ten
     if rows == 0:
         return y
     C = H * D
-    bn = block_n or min(next_pow2(C), 1024)
-    bm = block_m or min(next_pow2(rows), max(1, _TILE // bn))
+    bm, bn, nw = _tile_2d(rows, C, block_m, block_n, num_warps)
     has_lb = lower_bound is not None
     _kda_gate_kernel[(triton.cdiv(rows, bm), triton.cdiv(C, bn))](
         xr, A_log.contiguous(), dt_bias.contiguous(), y, rows, stride, float(lower_bound) if has_lb else 0.0, C=C, HD=D,
-        HAS_LB=has_lb, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or _warps(bm * bn))
+        HAS_LB=has_lb, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw)
     return y
