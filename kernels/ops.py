@@ -412,6 +412,7 @@ def moe_route(
     renormalize=True,
     routed_scaling_factor=1.0,
     scoring="sigmoid",
+    shared_experts=0,
 ):
     return _impl("moe_route", router_logits)(
         router_logits,
@@ -422,6 +423,7 @@ def moe_route(
         renormalize=renormalize,
         routed_scaling_factor=routed_scaling_factor,
         scoring=scoring,
+        shared_experts=shared_experts,
     )
 
 

@@ -162,3 +162,52 @@ def test_step_logits_equal_the_reference(tmp_path_factory, seed, monkeypatch):
             break
     if ref.cfg.attn_res_block_size is None:
         assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("seed", [3, 12])  # (3: two shared experts, SiTU; 12: one shared expert, SiLU, Block AttnRes)
+def test_shared_expert_fusion_logits(tmp_path_factory, seed, monkeypatch):
+    """k3_forward.SHARED_EXPERT_FUSION: in decode-sized steps the shared experts are experts E.. of the routed pass
+    (every token routed to them with weight 1); prefill chunks above SHARED_EXPERT_FUSION_MAX_TOKENS run them apart.
+    The logits of both kinds of step equal the reference's (float64), with the fusion on and off; on, the fused
+    pass is the one taken (moe_route asked for the shared columns) and the routed weights are a view of the
+    routed + shared tensor; the parallel forms (sharded experts) never fuse."""
+    import torch
+
+    from k3serve.kernels import ops
+    from k3serve.sampling_params import SamplingParams
+    from k3serve.workers.engine import k3_forward
+    from k3serve.workers.engine.parallel.dp_model import DEPForwardModel
+    from k3serve.workers.engine.parallel.layers import ParallelK3ForwardModel
+    from k3serve.workers.model.reference import load_reference_model
+
+    assert not ParallelK3ForwardModel.fuses_shared_experts and not DEPForwardModel.fuses_shared_experts
+    d = random_model_dir(tmp_path_factory.getbasetemp(), seed)
+    ref = load_reference_model(str(d), dtype=torch.float64)
+    cfg = ref.cfg
+    assert cfg.num_shared_experts and not cfg.routed_expert_hidden_size
+    prompt = random_prompts(seed + 200, 1, cfg.vocab_size, 30, 30)[0]
+    monkeypatch.setattr(k3_forward, "SHARED_EXPERT_FUSION_MAX_TOKENS", 8)  # the 16-token chunks run apart
+    real_route = ops.moe_route
+    for fusion in (True, False):
+        monkeypatch.setattr(k3_forward, "SHARED_EXPERT_FUSION", fusion)
+        shared_cols = []
+        monkeypatch.setattr(ops, "moe_route", lambda *a, _r=real_route, **k: shared_cols.append(
+            k.get("shared_experts", 0)) or _r(*a, **k))
+        llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_batched_tokens=16, max_model_len=64)
+        model = llm.engine.runner.model
+        moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        assert sorted(model.shared_fused) == (moe_layers if fusion else [])
+        for i in model.shared_fused:
+            full, routed = model.shared_fused[i]["experts.w13"], model.w[f"model.layers.{i}.block_sparse_moe.experts.w13"]
+            assert full.shape[0] == cfg.num_experts + cfg.num_shared_experts
+            assert routed.shape[0] == cfg.num_experts and routed.data_ptr() == full.data_ptr()
+        got = []
+        real = llm.engine.runner.execute
+        llm.engine.runner.execute = lambda s, _r=real, _g=got: _g.append(_r(s)) or _g[-1]
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+        seq = prompt + list(out.outputs[0].token_ids)
+        want = ref.logits(seq)[len(prompt) - 1:len(seq) - 1]
+        torch.testing.assert_close(torch.cat([g[-1:] for g in got[1:]]), want, rtol=1e-9, atol=1e-9)
+        per_layer = len(moe_layers)
+        # 2 prefill chunks of 15-16 tokens (apart), then 3 decode steps (fused when on)
+        assert shared_cols == [0] * 2 * per_layer + [cfg.num_shared_experts if fusion else 0] * 3 * per_layer

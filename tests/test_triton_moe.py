@@ -23,6 +23,26 @@ def test_route_matches_reference(T, E, k, G, tg, scoring):
     assert rel(w, rw) < 1e-6
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_route_appends_shared_experts(n):
+    """shared_experts=n: the routed columns as without it, then ids E..E+n-1 with weight exactly 1 (neither
+    renormalized nor scaled); the Triton kernel writes the same rows; a negative count is an error."""
+    g = torch.Generator().manual_seed(n)
+    T, E, k = 5, 16, 3
+    lg, b = torch.randn(T, E, generator=g), torch.randn(E, generator=g) * 0.1
+    kw = dict(num_expert_group=4, topk_group=2, routed_scaling_factor=2.5)
+    rw, ri = R.moe_route(lg, b, k, **kw)
+    sw, si = R.moe_route(lg, b, k, shared_experts=n, **kw)
+    assert si.shape == sw.shape == (T, k + n)
+    assert torch.equal(si[:, :k], ri) and torch.equal(sw[:, :k], rw)
+    assert si[:, k:].tolist() == [list(range(E, E + n))] * T and sw[:, k:].eq(1).all()
+    w, i = moe_route_triton(lg, b, k, shared_experts=n, **kw)
+    assert torch.equal(i, si) and rel(w, sw) < 1e-6 and w[:, k:].eq(1).all()
+    for fn in (R.moe_route, moe_route_triton):
+        with pytest.raises(ValueError, match="shared_experts"):
+            fn(lg, b, k, shared_experts=-1)
+
+
 def test_route_blocks_group_by_expert():
     ids = torch.tensor([[3, 1], [3, -1], [1, 3]])
     sid, order, starts = route_blocks(ids, 4)

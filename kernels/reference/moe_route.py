@@ -22,6 +22,7 @@ def moe_route(
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
     scoring: str = "sigmoid",
+    shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick top_k experts per token.
 
@@ -32,8 +33,13 @@ def moe_route(
     others masked out. weights = unbiased s at the chosen ids, divided by their sum if `renormalize`,
     times routed_scaling_factor. Ties (groups and experts): lowest id first.
     Returns (weights fp32 [T, top_k] (fp64 for fp64 logits), ids int64 [T, top_k]), ids in selection order.
+    shared_experts = n > 0 appends n columns to both: ids E, ..., E + n - 1 and weight exactly 1 (shared experts
+    stored after the routed ones and computed in the same expert pass: workers/engine/k3_forward.py
+    `SHARED_EXPERT_FUSION`); they are neither renormalized nor scaled.
     """
     T, E = router_logits.shape
+    if shared_experts < 0:
+        raise ValueError(f"shared_experts must be >= 0, got {shared_experts}")
     dt = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
     logits = cast(router_logits, dt)
     if scoring == "sigmoid":
@@ -60,4 +66,9 @@ def moe_route(
     weights = s.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights * routed_scaling_factor, cast(ids, torch.int64)
+    weights, ids = weights * routed_scaling_factor, cast(ids, torch.int64)
+    if shared_experts:
+        dev = ids.device
+        ids = torch.cat([ids, torch.arange(E, E + shared_experts, device=dev).expand(T, shared_experts)], 1)
+        weights = torch.cat([weights, torch.ones(T, shared_experts, dtype=weights.dtype, device=dev)], 1)
+    return weights, ids

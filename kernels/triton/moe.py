@@ -24,7 +24,9 @@ BM = 16
 def _moe_route_kernel(lg_ptr, bias_ptr, w_ptr, id_ptr, E, per, topk_group, scaling, lg_stride,
                       TOPK: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr,
                       BP: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
-                      GROUPED: tl.constexpr, RENORM: tl.constexpr):
+                      GROUPED: tl.constexpr, RENORM: tl.constexpr, NX: tl.constexpr = 0, BX: tl.constexpr = 1):
+    """One token per program: scores, (grouped) top-k, weights; NX > 0 appends NX columns (ids E..E+NX-1, weight 1:
+    the shared experts, see `reference.moe_route`), so a row of the outputs is TOPK + NX long."""
     t = tl.program_id(0).to(tl.int64)
     re = tl.arange(0, BE)
     me = re < E
@@ -78,13 +80,20 @@ def _moe_route_kernel(lg_ptr, bias_ptr, w_ptr, id_ptr, E, per, topk_group, scali
     if RENORM:
         wv = wv / tl.sum(wv, axis=0)
     mk = rk < TOPK
-    tl.store(w_ptr + t * TOPK + rk, wv * scaling, mask=mk)
-    tl.store(id_ptr + t * TOPK + rk, iv, mask=mk)
+    tl.store(w_ptr + t * (TOPK + NX) + rk, wv * scaling, mask=mk)
+    tl.store(id_ptr + t * (TOPK + NX) + rk, iv, mask=mk)
+    if NX > 0:
+        rx = tl.arange(0, BX)
+        mx = rx < NX
+        tl.store(w_ptr + t * (TOPK + NX) + TOPK + rx, tl.full([BX], 1.0, tl.float32), mask=mx)
+        tl.store(id_ptr + t * (TOPK + NX) + TOPK + rx, (E + rx).to(tl.int64), mask=mx)
 
 
 def moe_route_triton(router_logits, correction_bias, top_k, *, num_expert_group=1, topk_group=1, renormalize=True,
-                     routed_scaling_factor=1.0, scoring="sigmoid"):
+                     routed_scaling_factor=1.0, scoring="sigmoid", shared_experts=0):
     """Triton implementation of `reference.moe_route` (same arguments and result)."""
+    if shared_experts < 0:
+        raise ValueError(f"shared_experts must be >= 0, got {shared_experts}")
     T, E = router_logits.shape
     if scoring not in ("sigmoid", "softmax"):
         raise ValueError(f"unknown scoring {scoring!r}")
@@ -95,8 +104,8 @@ def moe_route_triton(router_logits, correction_bias, top_k, *, num_expert_group=
     if not 1 <= top_k <= eligible:
         raise ValueError(f"top_k={top_k} but only {eligible} experts are eligible")
     dev = router_logits.device
-    w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
+    w = torch.empty(T, top_k + shared_experts, dtype=torch.float32, device=dev)
+    ids = torch.empty(T, top_k + shared_experts, dtype=torch.int64, device=dev)
     if T == 0:
         return w, ids
     lg = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
@@ -107,7 +116,8 @@ def moe_route_triton(router_logits, correction_bias, top_k, *, num_expert_group=
         lg, correction_bias if correction_bias is not None else lg, w, ids, E, per, topk_group,
         float(routed_scaling_factor), lg.stride(0), TOPK=top_k, BK=next_pow2(top_k), BE=BE, BG=next_pow2(G),
         BP=next_pow2(per), HAS_BIAS=correction_bias is not None, SOFTMAX=scoring == "softmax", GROUPED=grouped,
-        RENORM=bool(renormalize), num_warps=4 if BE <= 1024 else 8,
+        RENORM=bool(renormalize), NX=shared_experts, BX=next_pow2(max(2, shared_experts)),
+        num_warps=4 if BE <= 1024 else 8,
     )
     return w, ids
 

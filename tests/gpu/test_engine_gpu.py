@@ -252,3 +252,22 @@ def test_fused_add_norm_same_tokens(tmp_path, monkeypatch, seed):
     monkeypatch.setattr(k3_forward, "FUSED_ADD_NORM", False)
     apart, _ = run_engine(d, prompts, 12, dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=256)
     assert fused == apart
+
+
+@pytest.mark.parametrize("seed", [3, 12])  # unpacked experts, no latent: 3 has two shared experts, 12 one
+def test_shared_expert_fusion_on_cuda(tmp_path, monkeypatch, seed):
+    """k3_forward.SHARED_EXPERT_FUSION on CUDA (the route kernel's appended columns, the expert kernels with the
+    shared experts as experts E..), float32 with CUDA graphs: the fused model is the one built, its decode steps
+    replay graphs, and its greedy tokens are the float64 reference's (teacher-forced)."""
+    from k3serve.workers.engine import k3_forward
+
+    d = tmp_path / f"m{seed}"
+    write_random_model(d, seed=seed, dtype=torch.float32)
+    ref = load_reference_model(str(d), dtype=torch.float64, device="cuda")
+    assert ref.cfg.num_shared_experts and not ref.cfg.routed_expert_hidden_size and not ref.cfg.experts_mxfp4
+    prompts = prompts_for(seed, 8, ref.cfg.vocab_size, hi=120)
+    monkeypatch.setattr(k3_forward, "SHARED_EXPERT_FUSION", True)
+    outs, llm = run_engine(d, prompts, 16, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
+    assert llm.engine.runner.model.shared_fused
+    exact, total = teacher_forced_check(ref, prompts, outs)
+    assert exact >= EXACT["float32"] * total

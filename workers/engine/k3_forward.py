@@ -47,6 +47,18 @@ place as column slices, the log-decay gate as one op (`ops.kda_gate`), the gated
 elementwise ops), for benchmarks' before/after (`--set k3serve.workers.engine.k3_forward.KDA_PREFILL_GLUE=0`);
 the same values either way on the reference ops."""
 
+SHARED_EXPERT_FUSION = True
+"""MoE layers whose shared experts have the routed experts' shape (no latent projection, unpacked routed experts: e.g.
+Kimi-Linear checkpoints): the shared experts are stored after the routed ones ([E + n, ...], one tensor; the routed
+view is its first E) and, in steps of at most SHARED_EXPERT_FUSION_MAX_TOKENS tokens (decode), routed to by every
+token with weight 1 (`ops.moe_route(shared_experts=n)`), so one expert pass computes both: the shared gate|up GEMM,
+its activation, its down GEMM and the add are gone (4 kernels a MoE layer on CUDA), the shared down projection
+summed in the routed combine's fp32 accumulator. As SGLang's shared-experts fusion. False: the shared experts apart."""
+
+SHARED_EXPERT_FUSION_MAX_TOKENS = 256
+"""Largest step (tokens) that takes the fused shared experts: above it (prefill chunks) the shared experts' GEMMs are
+large enough for cuBLAS to beat the expert kernels' tiles, so they run apart."""
+
 PIN_KERNELS = True
 """`forward` runs inside `ops.pinned_kernels()` (each op's implementation chosen once per pass, not per call);
 False: every op call reads K3SERVE_KERNELS (the earlier form, for benchmarks)."""
@@ -89,6 +101,9 @@ class K3ForwardModel:
         self.w_uk: dict[int, torch.Tensor] = {}
         self.w_uv: dict[int, torch.Tensor] = {}
         self.acc_w: dict[str, torch.Tensor] = {}  # weights the step uses in the accumulation dtype, cast once
+        # layer -> {"experts.w13": [E + n, 2I, D], "experts.w2": [E + n, D, I]}: the routed experts followed by the
+        # n shared ones (SHARED_EXPERT_FUSION)
+        self.shared_fused: dict[int, dict[str, torch.Tensor]] = {}
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}.self_attn."
             if cfg.is_kda_layer(i):
@@ -110,9 +125,13 @@ class K3ForwardModel:
                             + (["g_proj"] if cfg.mla_use_output_gate else []))
             if cfg.is_moe_layer(i):
                 m = f"model.layers.{i}.block_sparse_moe."
+                self._fuse_shared_experts(i, m)
                 for n in ("experts.w13", "experts.w2"):
                     if m + n in w and not w[m + n].is_cuda:  # CPU: [E, N, K] stored K-major, so every x @ W_eᵀ
                         w[m + n] = w[m + n].transpose(1, 2).contiguous().transpose(1, 2)  # is a plain NN GEMM
+                    if i in self.shared_fused:  # the routed experts: the first E of the routed + shared tensor
+                        self.shared_fused[i][n] = w[m + n]
+                        w[m + n] = w[m + n][:w[m + n].shape[0] - cfg.num_shared_experts]
                 self._cast_acc(m + "gate.weight")
                 self._cast_acc(m + "gate.e_score_correction_bias")
                 names = ["routed_expert_down_proj"] if cfg.routed_expert_hidden_size else []
@@ -126,6 +145,30 @@ class K3ForwardModel:
             else:
                 self._merge(f"model.layers.{i}.mlp.", ["gate_proj", "up_proj"])
                 self.split[f"model.layers.{i}.mlp."] = [sum(self.split[f"model.layers.{i}.mlp."])]
+
+    fuses_shared_experts = True
+    """Whether this model's `_moe` takes SHARED_EXPERT_FUSION (the parallel forms, whose experts and shared experts
+    are sharded, do not)."""
+
+    def _fuse_shared_experts(self, i: int, m: str) -> None:
+        """SHARED_EXPERT_FUSION for MoE layer i (prefix m): the n shared experts appended to the routed ones as n
+        experts of the routed shape (the shared gate|up rows j*I..(j+1)*I, the down columns likewise)."""
+        cfg, w = self.cfg, self.w
+        if not (SHARED_EXPERT_FUSION and self.fuses_shared_experts and cfg.num_shared_experts
+                and not cfg.routed_expert_hidden_size and not self.experts_packed and m + "experts.w13" in w):
+            return
+        w13, w2 = w[m + "experts.w13"], w[m + "experts.w2"]
+        s = m + "shared_experts."
+        gate, up, down = w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
+        E, two_i, d = w13.shape
+        n, i_ = cfg.num_shared_experts, two_i // 2
+        if gate.shape != (n * i_, d) or down.shape != (d, n * i_) or gate.dtype != w13.dtype:
+            return
+        sh13 = torch.cat([gate.view(n, i_, d), up.view(n, i_, d)], 1)  # [n, 2I, D]: expert j's gate rows, then up
+        sh2 = down.view(d, n, i_).transpose(0, 1)  # [n, D, I]
+        w[m + "experts.w13"] = torch.cat([w13, sh13], 0)
+        w[m + "experts.w2"] = torch.cat([w2, sh2], 0)
+        self.shared_fused[i] = {}
 
     def _merge(self, prefix: str, names: list[str]) -> None:
         """Replace the projections `names` (all applied to the same input) by ONE matrix `in_proj_merged`."""
@@ -263,12 +306,17 @@ class K3ForwardModel:
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
+        fused = self.shared_fused.get(i) if x.shape[0] <= SHARED_EXPERT_FUSION_MAX_TOKENS else None
         logits = linear(x, self.acc_w[w.prefix + "gate.weight"], self.acc)
         weights, ids = ops.moe_route(
             logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
             num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
             renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
-            scoring=cfg.router_activation)
+            scoring=cfg.router_activation, shared_experts=cfg.num_shared_experts if fused else 0)
+        if fused:  # the shared experts are experts E.. of this pass (SHARED_EXPERT_FUSION): nothing else to add
+            return ops.moe_experts(x, weights, ids, activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
+                                   situ_linear_beta=cfg.situ_linear_beta, w13=fused["experts.w13"],
+                                   w2=fused["experts.w2"])
         # one GEMM for every projection of x: the latent down-projection, the shared experts' gate|up
         parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
         z = parts.pop(0) if cfg.routed_expert_hidden_size else x

@@ -44,6 +44,8 @@ def dep_shard(cfg, weights: dict[str, torch.Tensor], rank: int, size: int, dtype
 
 
 class DEPForwardModel(K3ForwardModel):
+    fuses_shared_experts = False  # its experts are split over the ranks, and its `_moe` is its own
+
     def __init__(self, config, weights, layout, kv, dtype, *, group: RankGroup, expert_map: ExpertMap):
         self.group = group
         self.expert_map = expert_map

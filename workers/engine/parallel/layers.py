@@ -30,6 +30,8 @@ from k3serve.workers.model.functional import LayerWeights, linear
 
 
 class ParallelK3ForwardModel(K3ForwardModel):
+    fuses_shared_experts = False  # its experts and shared experts are sharded, and its `_moe` is its own
+
     def __init__(self, config, weights, layout, kv, dtype, *, group: RankGroup, plan: ShardPlan):
         self.group = group
         self.plan = plan
