@@ -53,11 +53,14 @@ def test_same_layout_as_torch_form(seed):
     assert int(n) == int((starts >= 0).sum()) and (starts[: int(n)] >= 0).all()
 
 
+@pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("seed,tile", [(0, 16), (1, 32), (2, 16), (3, 64), (4, 1024), (5, 16)])
-def test_sorted_form_same_layout_across_tiles(seed, tile):
-    """`route_blocks_sorted` (stable sort + one program over tiles): sorted ids, block starts and count equal the
-    PyTorch form's, the pair order is the stable sort's, on random routings whose runs and blocks straddle tile
-    edges (tiles of 16-64 pairs), ids >= E counted invalid as by the one-program kernel."""
+def test_sorted_form_same_layout_across_tiles(seed, tile, parallel, monkeypatch):
+    """`route_blocks_sorted` (stable sort, then the parallel run kernels or one program over tiles): sorted ids,
+    block starts and count equal the PyTorch form's, the pair order is the stable sort's, on random routings whose
+    runs and blocks straddle tile edges (tiles of 16-64 pairs), with experts nobody routes to, ids >= E counted
+    invalid as by the one-program kernel."""
+    monkeypatch.setattr(moe_route, "PARALLEL_RUNS", parallel)
     g = torch.Generator().manual_seed(100 + seed)
     T = int(torch.randint(1, 90, (1,), generator=g))
     E = [3, 6, 16, 64, 130, 5][seed]

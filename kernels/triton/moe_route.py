@@ -15,10 +15,12 @@ docs/kernels-notes.md) by one launch that needs no host sync (graph-safe):
   written once; the rest of `starts` gets -1).
 
 Pairs up to `MAX_PAIRS` (P·E keys must fit int32). Larger batches (prefill) take `route_blocks_sorted`: PyTorch's
-stable sort of the ids (a few launches of CUB's radix sort), then ONE program (`_route_runs_kernel`) walks the sorted
-ids in tiles, carrying the current run's start and the block count across tiles, and writes the int32 sorted ids,
-pair order, block starts and count: ~8 launches and no host sync where the PyTorch form took ~30 (each a host-side
-launch: a prefill step is host-bound, docs/kernels-notes.md session 10).
+stable sort of the ids (a few launches of CUB's radix sort), then two parallel kernels (`PARALLEL_RUNS`): one
+program finds each expert's run start by binary search over the sorted ids and numbers the blocks per expert, and
+one program per tile of pairs marks the pairs that open a block and writes the int32 sorted ids, pair order, block
+starts and count: ~9 launches and no host sync where the PyTorch form took ~30 (each a host-side launch: a prefill
+step is host-bound, docs/kernels-notes.md session 10). The earlier second stage, ONE program walking the sorted ids
+tile after tile (`_route_runs_kernel`), stays behind PARALLEL_RUNS = False.
 """
 
 from __future__ import annotations
@@ -105,6 +107,59 @@ def _route_runs_kernel(sid_ptr, order_ptr, sid_out, order_out, start_ptr, nblk_p
     tl.store(nblk_ptr, nblk)
 
 
+@triton.jit
+def _run_offsets_kernel(sid_ptr, offs_ptr, bbase_ptr, nblk_ptr, P, E, NIT, BM: tl.constexpr, BE: tl.constexpr):
+    """One program, one lane per expert e: where e's run starts in the sorted ids (a binary search, NIT steps), its
+    block count cdiv(run length, BM), and the index of its first block (exclusive cumsum over the experts)."""
+    e = tl.arange(0, BE)
+    me = e < E
+    lo = tl.zeros([BE], dtype=tl.int32)  # first index with sid >= e
+    hi = tl.zeros([BE], dtype=tl.int32) + P
+    lo1 = tl.zeros([BE], dtype=tl.int32)  # first index with sid >= e + 1
+    hi1 = tl.zeros([BE], dtype=tl.int32) + P
+    for _ in range(NIT):
+        mid = (lo + hi) // 2
+        v = tl.load(sid_ptr + mid, mask=me & (lo < hi), other=0).to(tl.int32)
+        go = (lo < hi) & (v < e)
+        lo = tl.where(go, mid + 1, lo)
+        hi = tl.where((lo < hi) & ~go, mid, hi)
+        mid1 = (lo1 + hi1) // 2
+        v1 = tl.load(sid_ptr + mid1, mask=me & (lo1 < hi1), other=0).to(tl.int32)
+        go1 = (lo1 < hi1) & (v1 < e + 1)
+        lo1 = tl.where(go1, mid1 + 1, lo1)
+        hi1 = tl.where((lo1 < hi1) & ~go1, mid1, hi1)
+    nb = tl.where(me, (lo1 - lo + BM - 1) // BM, 0)
+    tl.store(offs_ptr + e, lo, mask=me)
+    tl.store(bbase_ptr + e, tl.cumsum(nb, 0) - nb, mask=me)
+    tl.store(nblk_ptr + e, tl.sum(nb, 0), mask=e == 0)
+
+
+@triton.jit
+def _run_blocks_kernel(sid_ptr, order_ptr, sid_out, order_out, start_ptr, nblk_ptr, offs_ptr, bbase_ptr, P, E,
+                       BM: tl.constexpr, BT: tl.constexpr):
+    """BT sorted pairs per program, all programs at once: a pair opens a block when its offset in its expert's run
+    is a multiple of BM (the run's start and first block index from `_run_offsets_kernel`); the int32 sorted ids
+    and pair order are written, and the block starts past the count get -1 (indices the block writes never reach)."""
+    i = tl.program_id(0) * BT + tl.arange(0, BT)
+    m = i < P
+    s = tl.load(sid_ptr + i, mask=m, other=E).to(tl.int32)
+    tl.store(sid_out + i, s, mask=m)
+    tl.store(order_out + i, tl.load(order_ptr + i, mask=m, other=0).to(tl.int32), mask=m)
+    valid = m & (s < E)
+    r = i - tl.load(offs_ptr + s, mask=valid, other=0)
+    opens = valid & (r % BM == 0)
+    tl.store(start_ptr + tl.load(bbase_ptr + s, mask=valid, other=0) + r // BM, i, mask=opens)
+    tl.store(start_ptr + i, -1, mask=m & (i >= tl.load(nblk_ptr)))
+
+
+PARALLEL_RUNS = True
+"""`route_blocks_sorted` finds the blocks with two parallel kernels (`_run_offsets_kernel`: each expert's run start
+by binary search over the sorted ids; `_run_blocks_kernel`: every pair at once) instead of ONE program walking the
+sorted ids tile after tile (`_route_runs_kernel`: 2.5 ms for 11 MoE layers of a 16384-token step of the
+vs-transformers model on an H100, 131072 pairs a layer, run 21 in docs/kernels-notes.md). The same outputs bit for
+bit; False: the one-program walk (the before/after of a GPU run)."""
+
+
 def route_blocks_sorted(topk_ids: torch.Tensor, E: int, bm: int, tile: int = 1024):
     """`route_blocks_triton`'s result (stable pair order) for any number of pairs: PyTorch's stable sort, then one
     `_route_runs_kernel` program over the sorted ids in tiles of `tile` pairs (see the module docstring)."""
@@ -121,6 +176,13 @@ def route_blocks_sorted(topk_ids: torch.Tensor, E: int, bm: int, tile: int = 102
     order32 = torch.empty(P, dtype=torch.int32, device=dev)
     starts = torch.empty(P, dtype=torch.int32, device=dev)
     nblk = torch.empty(1, dtype=torch.int32, device=dev)
-    _route_runs_kernel[(1,)](sorted_ids, order, sid, order32, starts, nblk, P, E, BM=bm, BP=tile,
-                             num_warps=4 if tile <= 1024 else 8)
+    if not PARALLEL_RUNS:
+        _route_runs_kernel[(1,)](sorted_ids, order, sid, order32, starts, nblk, P, E, BM=bm, BP=tile,
+                                 num_warps=4 if tile <= 1024 else 8)
+        return sid, order32, starts, nblk
+    runs = torch.empty(2, E, dtype=torch.int32, device=dev)  # each expert's run start and first block index
+    _run_offsets_kernel[(1,)](sorted_ids, runs[0], runs[1], nblk, P, E, max(1, P.bit_length()), BM=bm,
+                              BE=max(16, next_pow2(E)), num_warps=4)
+    _run_blocks_kernel[(triton.cdiv(P, tile),)](sorted_ids, order, sid, order32, starts, nblk, runs[0], runs[1], P, E,
+                                               BM=bm, BT=tile, num_warps=4 if tile <= 1024 else 8)
     return sid, order32, starts, nblk
