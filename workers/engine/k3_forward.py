@@ -45,7 +45,8 @@ KDA_PREFILL_GLUE = True
 place as column slices, the log-decay gate as one op (`ops.kda_gate`), the gated output norm as one
 (`ops.rms_norm_gated`). False: the earlier form (copies of the slices, the gate and the gated norm as PyTorch's
 elementwise ops), for benchmarks' before/after (`--set k3serve.workers.engine.k3_forward.KDA_PREFILL_GLUE=0`);
-the same values either way on the reference ops."""
+the same values either way on the reference ops. Run 21 (H100, a 16384-token prefill step of the vs-transformers
+model, benchmarks/mixed_step.py): kernels 180.3 -> 167.4 ms, wall 183.8 -> 172.3 ms, 872 -> 746 kernels."""
 
 SHARED_EXPERT_FUSION = True
 """MoE layers whose shared experts have the routed experts' shape (no latent projection, unpacked routed experts: e.g.
@@ -53,7 +54,10 @@ Kimi-Linear checkpoints): the shared experts are stored after the routed ones ([
 view is its first E) and, in steps of at most SHARED_EXPERT_FUSION_MAX_TOKENS tokens (decode), routed to by every
 token with weight 1 (`ops.moe_route(shared_experts=n)`), so one expert pass computes both: the shared gate|up GEMM,
 its activation, its down GEMM and the add are gone (4 kernels a MoE layer on CUDA), the shared down projection
-summed in the routed combine's fp32 accumulator. As SGLang's shared-experts fusion. False: the shared experts apart."""
+summed in the routed combine's fp32 accumulator. As SGLang's shared-experts fusion. False: the shared experts apart.
+Run 21 (H100, the vs-transformers model's decode step, benchmarks/decode_roofline.py, off/on/off/on): B=32 2.38 / 2.15
+ms apart, 2.04 / 2.11 ms fused; B=64 2.59 / 3.27 against 2.68 / 2.89 ms: the sign favours it, the size is within
+that machine's run-to-run spread (docs/kernels-notes.md, session 13)."""
 
 SHARED_EXPERT_FUSION_MAX_TOKENS = 256
 """Largest step (tokens) that takes the fused shared experts: above it (prefill chunks) the shared experts' GEMMs are
