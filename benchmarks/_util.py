@@ -211,3 +211,32 @@ def apply_sets(ap, items: Sequence[str]) -> None:
             ap.error(f"--set: {mod_name} has no {name!r}")
         setattr(mod, name, int(value) if value.lstrip("-").isdigit() else value)
 
+
+
+def parse_ab(ap, item: str) -> tuple[str, list[Any]]:
+    """`--ab MODULE.NAME=A,B`: (the `--set` target, [A, B]) with ints where they parse; an error otherwise (exit 2)."""
+    target, eq, values = item.partition("=")
+    sides = values.split(",")
+    if not eq or "." not in target or len(sides) != 2 or not all(sides):
+        ap.error(f"--ab: {item!r} is not MODULE.NAME=A,B")
+    return target, [int(v) if v.lstrip("-").isdigit() else v for v in sides]
+
+
+def alternate(measure: Callable[[int], float], rounds: int) -> list[list[float]]:
+    """Interleaved A/B timing: `rounds` rounds, each measuring side 0 and side 1 once, the order flipped every round
+    (A B, B A, A B, ...) so a drift of the machine (clocks, a neighbour) falls on both sides alike. Returns
+    [[side 0's values], [side 1's values]] in round order."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    out: list[list[float]] = [[], []]
+    for r in range(rounds):
+        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+            out[side].append(measure(side))
+    return out
+
+
+def ab_summary(values: list[list[float]]) -> tuple[float, float, float, float, float]:
+    """(median A, median B, median of the per-round ratios B/A, their min, their max) of `alternate`'s result."""
+    ratios = [b / a for a, b in zip(values[0], values[1], strict=True)]
+    return (statistics.median(values[0]), statistics.median(values[1]), statistics.median(ratios), min(ratios),
+            max(ratios))

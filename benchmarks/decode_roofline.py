@@ -37,6 +37,13 @@ the whole `step()`, and the cyclic GC's collections: their count and µs per ste
 GPU's own time, by replaying the captured graph alone back to back on the last real step's inputs (kernels +
 the gaps between the graph's kernels, no host work); (3) the kernels' time and count per step and the top
 kernels (profiler, last: it slows the CUDA calls made after it).
+
+`--ab MODULE.NAME=A,B` compares the two values of one knob inside ONE process (on an H100 the step time moves by
+±15 % from process to process, more than most single changes: docs/kernels-notes.md session 13): an engine per value,
+each built, warmed and graph-captured with the knob set to it, then per batch size `--ab-rounds` alternated rounds
+(A B, B A, ...) of `--steps` decode steps; printed: each side's median ms per step and the median and range of the
+rounds' B/A ratios. E.g. `--model /tmp/gm --batches 32 64 --prompt 512 --ab
+k3serve.workers.engine.k3_forward.SHARED_EXPERT_FUSION=0,1`.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import SET_HELP, apply_sets, kernel_breakdown  # noqa: E402
+from _util import SET_HELP, ab_summary, alternate, apply_sets, kernel_breakdown, parse_ab, print_table  # noqa: E402
 
 
 def copy_bandwidth() -> float:
@@ -252,6 +259,56 @@ def mode_sets(ap, mode: str, moe) -> dict:
     return out
 
 
+def decode_seconds(llm, prompts, steps: int) -> float:
+    """Seconds of `steps` decode steps of this batch: a generate of 1 + steps tokens minus one of 1 token."""
+    from k3serve.sampling_params import SamplingParams
+
+    sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    spn = SamplingParams(max_tokens=1 + steps, temperature=0.0, ignore_eos=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp1)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    llm.generate(prompts, spn)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t1) - (t1 - t0)
+
+
+def ab_decode(ap, args, d: str, ab) -> None:
+    """--ab: one engine per side of the knob (built, warmed and graph-captured with the knob at that value; each
+    engine's KV cache a quarter of the free memory), then per batch size `alternate`d decode timings."""
+    from k3serve.sampling_params import SamplingParams
+    from k3serve.workers.llm import LLM
+
+    target, sides = ab
+    engines = []
+    for value in sides:
+        apply_sets(ap, [f"{target}={value}"])
+        llm = LLM(d, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches), kv_cache_memory=0.25,
+                  max_model_len=args.prompt + args.steps + 8, max_num_batched_tokens=args.max_num_batched_tokens,
+                  skip_tokenizer_init=bool(args.model))
+        llm.final_outputs_only = llm.engine.defer_detokenization = True
+        for B in args.batches:  # compiles and this batch size's graph capture, under this side's value
+            prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]
+            llm.generate(prompts, SamplingParams(max_tokens=1 + args.steps, temperature=0.0, ignore_eos=True))
+        engines.append(llm)
+    rows = []
+    for B in args.batches:
+        prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]
+
+        def measure(side, prompts=prompts):
+            apply_sets(ap, [f"{target}={sides[side]}"])  # for what the host reads at run time
+            return 1e3 * decode_seconds(engines[side], prompts, args.steps) / args.steps
+
+        a, b, ratio, lo, hi = ab_summary(alternate(measure, args.ab_rounds))
+        rows.append([B, f"{a:.3f}", f"{b:.3f}", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}"])
+        print(f"# --ab {target} B={B}: {a:.3f} ms ({sides[0]}) vs {b:.3f} ms ({sides[1]}) per decode step, "
+              f"B/A {ratio:.3f} (rounds {lo:.3f}-{hi:.3f})", flush=True)
+    print(f"# --ab {target}: {args.ab_rounds} alternated rounds of {args.steps} decode steps, graphs")
+    print_table(["batch", f"ms/step {sides[0]}", f"ms/step {sides[1]}", "B/A median", "B/A range"], rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
@@ -277,6 +334,12 @@ def main() -> int:
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="an existing checkpoint the engine loads (e.g. vs_transformers.py --save-model DIR) "
                          "instead of the generated `small` one")
+    ap.add_argument("--ab", default=None, metavar="MODULE.NAME=A,B",
+                    help="A/B of one knob inside this process: two engines (the knob set to A, then to B, while each "
+                         "is built and captures its graphs), their decode steps timed in alternated rounds (A B, "
+                         "B A, ...; --ab-rounds), per batch size: the median ms per step of each side and the median, "
+                         "min and max of the rounds' B/A ratios (graphs mode only)")
+    ap.add_argument("--ab-rounds", type=int, default=6, metavar="N", help="alternated rounds of --ab (default 6)")
     ap.add_argument("--breakdown", action="store_true",
                     help="graph replay alone, kernel count, and the host's phases of a decode step")
     args = ap.parse_args()
@@ -289,6 +352,11 @@ def main() -> int:
         print(f"decode_roofline: --model: no config.json in {args.model}", file=sys.stderr)
         return 2
     apply_sets(ap, args.set)
+    ab = parse_ab(ap, args.ab) if args.ab else None
+    if ab:
+        apply_sets(ap, [f"{ab[0]}={ab[1][0]}"])  # checks MODULE.NAME before any GPU work
+        if args.ab_rounds < 1:
+            ap.error("--ab-rounds must be >= 1")
     bw = copy_bandwidth()
     print(f"# copy bandwidth {bw / 1e12:.2f} TB/s")
     modes = ["eager"] if args.enforce_eager else args.modes
@@ -302,6 +370,9 @@ def main() -> int:
         from k3serve.kernels.triton import moe
         from k3serve.workers.engine import k3_forward, model_runner
 
+        if ab:
+            ab_decode(ap, args, d, ab)
+            return 0
         sets = {mode: mode_sets(ap, mode, moe) for mode in modes}
         defaults = {name: getattr(moe, name) for name in ("ROUTE_KERNEL", "GEMV_COMBINE", "AUTO_GEMV_MAX_PAIRS",
                                                           *(n for v in sets.values() for n in v))}

@@ -202,6 +202,41 @@ def test_set_module_constants():
         assert e.value.code == 2
 
 
+def test_ab_alternation_and_summary():
+    """`alternate` (decode_roofline.py --ab): side 0 and side 1 once a round, the order flipped every round, so a
+    drift of the machine lands on both sides; `ab_summary`: the medians and the per-round B/A ratios' median and
+    range; `parse_ab`: MODULE.NAME=A,B with ints where they parse, anything else exits 2."""
+    import argparse
+
+    util = _load("_util")
+    calls = []
+    clock = iter(range(1, 100))
+
+    def measure(side):  # a machine that slows down by 1 every call: side 1 costs twice side 0
+        calls.append(side)
+        return (1 + side) * next(clock)
+
+    vals = util.alternate(measure, 4)
+    assert calls == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert vals == [[1, 4, 5, 8], [4, 6, 12, 14]]
+    a, b, ratio, lo, hi = util.ab_summary(vals)
+    assert (a, b) == (4.5, 9.0) and (lo, hi) == (1.5, 4.0) and ratio == pytest.approx((2.4 + 1.75) / 2)
+    with pytest.raises(ValueError):
+        util.alternate(measure, 0)
+    ap = argparse.ArgumentParser()
+    assert util.parse_ab(ap, "k3serve.x.Y=0,1") == ("k3serve.x.Y", [0, 1])
+    assert util.parse_ab(ap, "m.N=atomic,loop") == ("m.N", ["atomic", "loop"])
+    for bad in ("m.N=1", "m.N=1,2,3", "N=1,2", "m.N", "m.N=1,"):
+        with pytest.raises(SystemExit) as e:
+            util.parse_ab(ap, bad)
+        assert e.value.code == 2
+    # decode_roofline.py checks --ab (and the knob it names) before it needs a GPU
+    for bad, msg in (("k3serve.workers.engine.k3_forward.NO_SUCH=0,1", "has no"), ("x=1", "MODULE.NAME=A,B")):
+        proc = subprocess.run([sys.executable, os.path.join(BENCH, "decode_roofline.py"), "--ab", bad],
+                              env=dict(os.environ, PYTHONSAFEPATH="1"), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_sweep_moe_prefill_without_cuda():
     """benchmarks/sweep_moe_prefill.py is GPU-only: on this CPU machine it imports, parses its arguments and exits 2
     with a message naming the missing device (no traceback)."""
