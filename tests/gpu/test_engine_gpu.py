@@ -271,3 +271,20 @@ def test_shared_expert_fusion_on_cuda(tmp_path, monkeypatch, seed):
     assert llm.engine.runner.model.shared_fused
     exact, total = teacher_forced_check(ref, prompts, outs)
     assert exact >= EXACT["float32"] * total
+
+
+def test_shared_expert_fusion_needs_free_memory(tmp_path, monkeypatch):
+    """A layer is fused only when its routed + shared copy leaves SHARED_EXPERT_FUSION_HEADROOM free (the loader's
+    tensors are alive while the engine is built): with a headroom larger than the card, no layer fuses, and the
+    engine still serves the reference's tokens (the shared experts apart)."""
+    from k3serve.workers.engine import k3_forward
+
+    d = tmp_path / "m3"
+    write_random_model(d, seed=3, dtype=torch.float32)
+    ref = load_reference_model(str(d), dtype=torch.float64, device="cuda")
+    prompts = prompts_for(3, 4, ref.cfg.vocab_size, hi=60)
+    monkeypatch.setattr(k3_forward, "SHARED_EXPERT_FUSION_HEADROOM", 1 << 50)
+    outs, llm = run_engine(d, prompts, 8, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+    assert llm.engine.runner.model.shared_fused == {}
+    exact, total = teacher_forced_check(ref, prompts, outs)
+    assert exact >= EXACT["float32"] * total

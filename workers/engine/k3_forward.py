@@ -59,6 +59,12 @@ Run 21 (H100, the vs-transformers model's decode step, benchmarks/decode_rooflin
 ms apart, 2.04 / 2.11 ms fused; B=64 2.59 / 3.27 against 2.68 / 2.89 ms: the sign favours it, the size is within
 that machine's run-to-run spread (docs/kernels-notes.md, session 13)."""
 
+SHARED_EXPERT_FUSION_HEADROOM = 1 << 30
+"""Bytes of device memory left free after a layer's routed + shared tensor is made: the loader's expert tensors stay
+alive until the engine is built (the caller holds them), so each fused layer briefly needs a second copy of its
+experts; a layer whose copy would not leave this much free memory (the KV cache is already allocated) is not fused
+(its shared experts run apart, as with SHARED_EXPERT_FUSION off)."""
+
 SHARED_EXPERT_FUSION_MAX_TOKENS = 256
 """Largest step (tokens) that takes the fused shared experts: above it (prefill chunks) the shared experts' GEMMs are
 large enough for cuBLAS to beat the expert kernels' tiles, so they run apart."""
@@ -168,6 +174,10 @@ class K3ForwardModel:
         n, i_ = cfg.num_shared_experts, two_i // 2
         if gate.shape != (n * i_, d) or down.shape != (d, n * i_) or gate.dtype != w13.dtype:
             return
+        if w13.is_cuda:
+            need = (w13[0].numel() + w2[0].numel()) * (E + n) * w13.element_size()
+            if torch.cuda.mem_get_info(w13.device)[0] < need + SHARED_EXPERT_FUSION_HEADROOM:
+                return
         sh13 = torch.cat([gate.view(n, i_, d), up.view(n, i_, d)], 1)  # [n, 2I, D]: expert j's gate rows, then up
         sh2 = down.view(d, n, i_).transpose(0, 1)  # [n, D, I]
         w[m + "experts.w13"] = torch.cat([w13, sh13], 0)
