@@ -237,6 +237,20 @@ def test_ab_alternation_and_summary():
         assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_sweep_moe_prefill_tiles_argument():
+    """`sweep_moe_prefill.py --tiles BM:BN1xBK1,BN2xBK2:W1,W2:S`: parsed into (block rows, tiles, warps, stages or
+    None for "-"); a malformed or non-power-of-two entry is an argument error (exit 2) before any GPU work."""
+    mod = _load("sweep_moe_prefill")
+    assert mod.parse_tiles("64:128x64,128x32:8,4:3") == (64, (128, 64, 128, 32), (8, 4), 3)
+    assert mod.parse_tiles("128:64x64,64x64:4,4:-") == (128, (64, 64, 64, 64), (4, 4), None)
+    for bad in ("64:128x64:8,4:3", "64:128x64,128x64:8:3", "64:96x64,64x64:4,4:3", "x:64x64,64x64:4,4:3", ""):
+        with pytest.raises(ValueError):
+            mod.parse_tiles(bad)
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "sweep_moe_prefill.py"), "--tiles", "64:12x64"],
+                          env=dict(os.environ, PYTHONSAFEPATH="1"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--tiles" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_sweep_moe_prefill_without_cuda():
     """benchmarks/sweep_moe_prefill.py is GPU-only: on this CPU machine it imports, parses its arguments and exits 2
     with a message naming the missing device (no traceback)."""
