@@ -394,15 +394,7 @@ def main() -> int:
                 sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
                 spn = SamplingParams(max_tokens=1 + args.steps, temperature=0.0, ignore_eos=True)
                 llm.generate(prompts, spn)  # warm-up: kernel compiles and the graph capture for this size
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                llm.generate(prompts, sp1)
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                llm.generate(prompts, spn)
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
-                dec = (t2 - t1) - (t1 - t0)
+                dec = decode_seconds(llm, prompts, args.steps)
                 tok_s = B * args.steps / dec
                 roof = B / (step_bytes(cfg, weights, B, args.prompt + args.steps // 2) / bw)
                 rows.append((mode, B, tok_s, roof))
