@@ -259,6 +259,11 @@ def mode_sets(ap, mode: str, moe) -> dict:
     return out
 
 
+def batch_prompts(B: int, length: int) -> list[list[int]]:
+    """The timed batch: B prompts of `length` token ids, distinct per row (no prefix shared between them)."""
+    return [[(7 * i + j) % 500 + 10 for j in range(length)] for i in range(B)]
+
+
 def decode_seconds(llm, prompts, steps: int) -> float:
     """Seconds of `steps` decode steps of this batch: a generate of 1 + steps tokens minus one of 1 token."""
     from k3serve.sampling_params import SamplingParams
@@ -290,12 +295,12 @@ def ab_decode(ap, args, d: str, ab) -> None:
                   skip_tokenizer_init=bool(args.model))
         llm.final_outputs_only = llm.engine.defer_detokenization = True
         for B in args.batches:  # compiles and this batch size's graph capture, under this side's value
-            prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]
+            prompts = batch_prompts(B, args.prompt)
             llm.generate(prompts, SamplingParams(max_tokens=1 + args.steps, temperature=0.0, ignore_eos=True))
         engines.append(llm)
     rows = []
     for B in args.batches:
-        prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]
+        prompts = batch_prompts(B, args.prompt)
 
         def measure(side, prompts=prompts):
             apply_sets(ap, [f"{target}={sides[side]}"])  # for what the host reads at run time
@@ -390,7 +395,7 @@ def main() -> int:
             llm.final_outputs_only = llm.engine.defer_detokenization = mode != "graphs-s6"
             weights = llm.engine.runner.model.w  # the engine's own weights: their sizes give the step's bytes
             for B in args.batches:
-                prompts = [[(7 * i + j) % 500 + 10 for j in range(args.prompt)] for i in range(B)]
+                prompts = batch_prompts(B, args.prompt)
                 sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
                 spn = SamplingParams(max_tokens=1 + args.steps, temperature=0.0, ignore_eos=True)
                 llm.generate(prompts, spn)  # warm-up: kernel compiles and the graph capture for this size

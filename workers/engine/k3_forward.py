@@ -135,13 +135,13 @@ class K3ForwardModel:
                             + (["g_proj"] if cfg.mla_use_output_gate else []))
             if cfg.is_moe_layer(i):
                 m = f"model.layers.{i}.block_sparse_moe."
-                self._fuse_shared_experts(i, m)
+                fused = self._fuse_shared_experts(m)
                 for n in ("experts.w13", "experts.w2"):
                     if m + n in w and not w[m + n].is_cuda:  # CPU: [E, N, K] stored K-major, so every x @ W_eᵀ
                         w[m + n] = w[m + n].transpose(1, 2).contiguous().transpose(1, 2)  # is a plain NN GEMM
-                    if i in self.shared_fused:  # the routed experts: the first E of the routed + shared tensor
-                        self.shared_fused[i][n] = w[m + n]
-                        w[m + n] = w[m + n][:w[m + n].shape[0] - cfg.num_shared_experts]
+                    if fused:  # the routed experts: the first E of the routed + shared tensor
+                        self.shared_fused.setdefault(i, {})[n] = w[m + n]
+                        w[m + n] = w[m + n][:cfg.num_experts]
                 self._cast_acc(m + "gate.weight")
                 self._cast_acc(m + "gate.e_score_correction_bias")
                 names = ["routed_expert_down_proj"] if cfg.routed_expert_hidden_size else []
@@ -160,29 +160,30 @@ class K3ForwardModel:
     """Whether this model's `_moe` takes SHARED_EXPERT_FUSION (the parallel forms, whose experts and shared experts
     are sharded, do not)."""
 
-    def _fuse_shared_experts(self, i: int, m: str) -> None:
-        """SHARED_EXPERT_FUSION for MoE layer i (prefix m): the n shared experts appended to the routed ones as n
-        experts of the routed shape (the shared gate|up rows j*I..(j+1)*I, the down columns likewise)."""
+    def _fuse_shared_experts(self, m: str) -> bool:
+        """SHARED_EXPERT_FUSION for the MoE layer of prefix m: the n shared experts appended to the routed ones as n
+        experts of the routed shape (the shared gate|up rows j*I..(j+1)*I, the down columns likewise), in place of
+        the routed tensors in the weights; False (nothing changed) where the layer does not take it."""
         cfg, w = self.cfg, self.w
         if not (SHARED_EXPERT_FUSION and self.fuses_shared_experts and cfg.num_shared_experts
                 and not cfg.routed_expert_hidden_size and not self.experts_packed and m + "experts.w13" in w):
-            return
+            return False
         w13, w2 = w[m + "experts.w13"], w[m + "experts.w2"]
         s = m + "shared_experts."
         gate, up, down = w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
         E, two_i, d = w13.shape
         n, i_ = cfg.num_shared_experts, two_i // 2
         if gate.shape != (n * i_, d) or down.shape != (d, n * i_) or gate.dtype != w13.dtype:
-            return
+            return False
         if w13.is_cuda:
             need = (w13[0].numel() + w2[0].numel()) * (E + n) * w13.element_size()
             if torch.cuda.mem_get_info(w13.device)[0] < need + SHARED_EXPERT_FUSION_HEADROOM:
-                return
+                return False
         sh13 = torch.cat([gate.view(n, i_, d), up.view(n, i_, d)], 1)  # [n, 2I, D]: expert j's gate rows, then up
         sh2 = down.view(d, n, i_).transpose(0, 1)  # [n, D, I]
         w[m + "experts.w13"] = torch.cat([w13, sh13], 0)
         w[m + "experts.w2"] = torch.cat([w2, sh2], 0)
-        self.shared_fused[i] = {}
+        return True
 
     def _merge(self, prefix: str, names: list[str]) -> None:
         """Replace the projections `names` (all applied to the same input) by ONE matrix `in_proj_merged`."""
@@ -228,13 +229,13 @@ class K3ForwardModel:
                                lower_bound=cfg.gate_lower_bound, scale=d ** -0.5, **self._ckpt(b, gi), gate=gate,
                                o_norm_weight=self.acc_w[w.prefix + "o_norm.weight"], eps=cfg.rms_norm_eps)
             return linear(y.reshape(T, P), w["o_proj.weight"])
+        glue = KDA_PREFILL_GLUE
         if b.spec is not None and b.spec.kda_mix is not None:  # a rollback scheme's verify (spec/rollback.py)
             o = b.spec.kda_mix(self, i, j, gi, qkv.contiguous(), raw_g, b_logit, b)
         else:
             # qkv stays a column slice of the merged projection: the conv reads it at its row stride, and the
             # chunked KDA reads q, k, v as column slices of the conv's output (no copies on CUDA)
             ck = self._ckpt(b, gi)
-            glue = KDA_PREFILL_GLUE
             qkv = ops.causal_conv1d_varlen(qkv if glue else qkv.contiguous(), self.conv_w[i], self.kv.conv_view(j),
                                            b.state_indices[gi], b.cu_seqlens, b.has_initial_state, activation="silu",
                                            **ck)
@@ -246,7 +247,7 @@ class K3ForwardModel:
                                 host=b.kda_host[gi] if b.kda_host else None)
         # the gated output norm in the accumulation dtype, rounded once to x's (one kernel on CUDA)
         norm_w = self.acc_w[w.prefix + "o_norm.weight"]
-        if KDA_PREFILL_GLUE:
+        if glue:
             o = ops.rms_norm_gated(o, gate.reshape(T, h, d), norm_w, cfg.rms_norm_eps, x.dtype)
         else:
             o = ops.rms_norm(cast(o, self.acc), norm_w, cfg.rms_norm_eps)
@@ -327,10 +328,9 @@ class K3ForwardModel:
             num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
             renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
             scoring=cfg.router_activation, shared_experts=cfg.num_shared_experts if fused else 0)
+        act = dict(activation=cfg.hidden_act, situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
         if fused:  # the shared experts are experts E.. of this pass (SHARED_EXPERT_FUSION): nothing else to add
-            return ops.moe_experts(x, weights, ids, activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
-                                   situ_linear_beta=cfg.situ_linear_beta, w13=fused["experts.w13"],
-                                   w2=fused["experts.w2"])
+            return ops.moe_experts(x, weights, ids, w13=fused["experts.w13"], w2=fused["experts.w2"], **act)
         # one GEMM for every projection of x: the latent down-projection, the shared experts' gate|up
         parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
         z = parts.pop(0) if cfg.routed_expert_hidden_size else x
@@ -339,8 +339,7 @@ class K3ForwardModel:
                       w2_packed=w["experts.w2_packed"], w2_scale=w["experts.w2_scale"])
         else:
             ex = dict(w13=w["experts.w13"], w2=w["experts.w2"])
-        r = ops.moe_experts(z, weights, ids, activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
-                            situ_linear_beta=cfg.situ_linear_beta, **ex)
+        r = ops.moe_experts(z, weights, ids, **ex, **act)
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
                 r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
