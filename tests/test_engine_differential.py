@@ -191,7 +191,7 @@ def test_shared_expert_fusion_logits(tmp_path_factory, seed, monkeypatch):
     for fusion in (True, False):
         monkeypatch.setattr(k3_forward, "SHARED_EXPERT_FUSION", fusion)
         shared_cols = []
-        monkeypatch.setattr(ops, "moe_route", lambda *a, _r=real_route, **k: shared_cols.append(
+        monkeypatch.setattr(ops, "moe_route", lambda *a, _r=real_route, _c=shared_cols, **k: _c.append(
             k.get("shared_experts", 0)) or _r(*a, **k))
         llm = LLM(str(d), dtype="float64", skip_tokenizer_init=True, max_num_batched_tokens=16, max_model_len=64)
         model = llm.engine.runner.model
