@@ -3,11 +3,7 @@ the official `openai` client. With random weights the text is noise, so chat ans
 is deterministic: the prompt equals the renderer's, and the answer equals the K3 parser applied to the raw
 greedy output of the same prompt."""
 
-import os
 import re
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
@@ -16,6 +12,7 @@ import pytest
 
 from k3serve.chat.renderer import render_chat
 from k3serve.tokenizer import K3Tokenizer
+from tests._serve_proc import serve_process
 
 NAME = "k3-tiny"
 MAX_LEN = 1024
@@ -26,35 +23,9 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    cmd = [sys.executable, "-m", "k3serve.cli", "serve", str(tiny_model_dir), "--port", "0", "--served-model-name",
-           NAME, "--max-model-len", str(MAX_LEN), "--num-threads", "1", "--log-level", "warning",
-           "--enable-prefix-caching"]
-    env = dict(os.environ, PYTHONSAFEPATH="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    url = None
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            url = m.group(1)
-            break
-    if url is None:
-        proc.kill()
-        pytest.fail("k3serve serve did not start:\n" + "".join(lines) + (proc.stdout.read() or ""))
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    yield url, client
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with serve_process(tiny_model_dir, "--served-model-name", NAME, "--max-model-len", str(MAX_LEN), "--num-threads",
+                       "1", "--log-level", "warning", "--enable-prefix-caching") as (url, client):
+        yield url, client
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,13 @@ model (models/k3-demo-stdlib, float64) with its MTP drafter (k = 3): streamed an
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import threading
-import time
 
 import httpx
-import openai
 import pytest
 
 from k3serve.workers.model.paths import DEMO_MODEL_DIR
+from tests._serve_proc import serve_process
 
 NAME = "k3-demo"
 MAX_LEN = 512
@@ -27,33 +22,10 @@ pytestmark = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").exists(), r
 @pytest.fixture(scope="module")
 def server():
     spec = '{"method": "mtp", "num_speculative_tokens": 3}'
-    cmd = [sys.executable, "-m", "k3serve.cli", "serve", str(DEMO_MODEL_DIR), "--port", "0", "--served-model-name",
-           NAME, "--max-model-len", str(MAX_LEN), "--num-threads", "1", "--log-level", "warning", "--dtype",
-           "float64", "--enable-prefix-caching", "--speculative-config", spec]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONSAFEPATH="1"))
-    lines, url = [], None
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            url = m.group(1)
-            break
-    if url is None:
-        proc.kill()
-        pytest.fail("k3serve serve did not start:\n" + "".join(lines) + (proc.stdout.read() or ""))
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with serve_process(DEMO_MODEL_DIR, "--served-model-name", NAME, "--max-model-len", str(MAX_LEN), "--num-threads",
+                       "1", "--log-level", "warning", "--dtype", "float64", "--enable-prefix-caching",
+                       "--speculative-config", spec) as (url, client):
+        yield url, client
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,50 @@
+"""`k3serve serve` as a real subprocess for end-to-end tests: started on a free port, its URL read from the
+"listening on" line, an official `openai` client on it, and a clean exit on SIGTERM checked when done."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+
+@contextlib.contextmanager
+def serve_process(model_dir, *args: str, start_timeout: float = 180) -> Iterator[tuple[str, openai.OpenAI]]:
+    """Runs `k3serve serve MODEL_DIR --port 0 ARGS...`; yields (url, client); fails the test with the server's
+    output when it does not start within start_timeout seconds."""
+    cmd = [sys.executable, "-m", "k3serve.cli", "serve", str(model_dir), "--port", "0", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONSAFEPATH="1"))
+    lines: list[str] = []
+    url = None
+    deadline = time.monotonic() + start_timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        if m:
+            url = m.group(1)
+            break
+    if url is None:
+        proc.kill()
+        pytest.fail("k3serve serve did not start:\n" + "".join(lines) + (proc.stdout.read() or ""))
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+    try:
+        yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    finally:
+        proc.terminate()
+        try:
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
