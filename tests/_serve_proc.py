@@ -16,29 +16,35 @@ import openai
 import pytest
 
 
-@contextlib.contextmanager
-def serve_process(model_dir, *args: str, start_timeout: float = 180) -> Iterator[tuple[str, openai.OpenAI]]:
-    """Runs `k3serve serve MODEL_DIR --port 0 ARGS...`; yields (url, client); fails the test with the server's
-    output when it does not start within start_timeout seconds."""
-    cmd = [sys.executable, "-m", "k3serve.cli", "serve", str(model_dir), "--port", "0", *args]
+def popen_until(cmd: list[str], pattern: str, timeout: float, what: str) -> tuple[subprocess.Popen, re.Match, list[str]]:
+    """Starts cmd (stdout and stderr one text pipe, PYTHONSAFEPATH=1) and reads its lines until one matches
+    `pattern`; returns (process, match, lines read). Fails the test with the output read, naming `what`, when the
+    process ends or `timeout` seconds pass first. The pipe is drained by a thread after that, so the process never
+    blocks on a full pipe."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONSAFEPATH="1"))
     lines: list[str] = []
-    url = None
-    deadline = time.monotonic() + start_timeout
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        m = re.search(pattern, line)
         if m:
-            url = m.group(1)
-            break
-    if url is None:
-        proc.kill()
-        pytest.fail("k3serve serve did not start:\n" + "".join(lines) + (proc.stdout.read() or ""))
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc, m, lines
+    proc.kill()
+    pytest.fail(f"{what} did not start:\n" + "".join(lines) + (proc.stdout.read() or ""))
+
+
+@contextlib.contextmanager
+def serve_process(model_dir, *args: str, start_timeout: float = 180) -> Iterator[tuple[str, openai.OpenAI]]:
+    """Runs `k3serve serve MODEL_DIR --port 0 ARGS...`; yields (url, client); fails the test with the server's
+    output when it does not start within start_timeout seconds."""
+    cmd = [sys.executable, "-m", "k3serve.cli", "serve", str(model_dir), "--port", "0", *args]
+    proc, m, _ = popen_until(cmd, r"listening on (http://127\.0\.0\.1:\d+)", start_timeout, "k3serve serve")
+    url = m.group(1)
     try:
         yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     finally:
