@@ -161,8 +161,9 @@ bit; False: the one-program walk (the before/after of a GPU run)."""
 
 
 def route_blocks_sorted(topk_ids: torch.Tensor, E: int, bm: int, tile: int = 1024):
-    """`route_blocks_triton`'s result (stable pair order) for any number of pairs: PyTorch's stable sort, then one
-    `_route_runs_kernel` program over the sorted ids in tiles of `tile` pairs (see the module docstring)."""
+    """`route_blocks_triton`'s result (stable pair order) for any number of pairs: PyTorch's stable sort, then each
+    expert's run offsets and one program per `tile` pairs (PARALLEL_RUNS), or one `_route_runs_kernel` program over
+    the sorted ids in tiles of `tile` pairs (see the module docstring)."""
     P = topk_ids.numel()
     if P < 1:
         raise ValueError("route_blocks_sorted: no routed pairs")
