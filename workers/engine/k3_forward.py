@@ -31,6 +31,20 @@ def gate_sigmoid(g: torch.Tensor, dtype: torch.dtype, acc: torch.dtype) -> torch
         return torch.sigmoid(g)
     return torch.sigmoid(g.to(acc)).to(dtype)
 
+def route(cfg, logits: torch.Tensor, bias: torch.Tensor | None, shared_experts: int = 0) -> tuple[torch.Tensor, ...]:
+    """(top-k weights, expert ids) of MoE router logits [T, E] with the model's routing settings (`ops.moe_route`;
+    `shared_experts` columns appended for SHARED_EXPERT_FUSION): the engine's models and the MTP drafters."""
+    return ops.moe_route(
+        logits, bias, cfg.num_experts_per_token, num_expert_group=cfg.num_expert_group or 1,
+        topk_group=cfg.topk_group or 1, renormalize=cfg.moe_renormalize,
+        routed_scaling_factor=cfg.routed_scaling_factor, scoring=cfg.router_activation, shared_experts=shared_experts)
+
+
+def expert_act(cfg) -> dict:
+    """The experts' activation arguments of `ops.moe_experts` for a model config."""
+    return dict(activation=cfg.hidden_act, situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
+
+
 # the projections: `functional.linear` on the CPU; on CUDA decode-sized ones (<= 16 rows) take the skinny GEMM
 # (kernels/triton/gemv.py); the optional third argument is the compute dtype, the operands' cast folded in
 linear = ops.linear
@@ -318,32 +332,46 @@ class K3ForwardModel:
         """The gated MLP from its (merged) gate|up projection."""
         return linear(self._act_mul(gate_up), w["down_proj.weight"])
 
+    def _route(self, w: LayerWeights, logits: torch.Tensor, shared_experts: int = 0) -> tuple[torch.Tensor, ...]:
+        """`route` for the MoE layer of w's prefix (its correction bias in the accumulation dtype)."""
+        return route(self.cfg, logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), shared_experts)
+
+    def _expert_input(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(z, parts): the routed experts' input (the LatentMoE down-projection of x, or x itself) and the rest of
+        the layer's merged projection of x ([the shared experts' gate|up], or [] without shared experts)."""
+        parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
+        return (parts.pop(0) if self.cfg.routed_expert_hidden_size else x), parts
+
+    def _latent_up(self, w: LayerWeights, r: torch.Tensor) -> torch.Tensor:
+        """The LatentMoE tail: the routed experts' weighted sum (latent width) normed and projected back to the
+        hidden size; r unchanged in a layer without a latent."""
+        cfg = self.cfg
+        if not cfg.routed_expert_hidden_size:
+            return r
+        if cfg.latent_moe_use_norm:
+            r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
+        return linear(r, w["routed_expert_up_proj.weight"])
+
+    @property
+    def _act(self) -> dict:
+        return expert_act(self.cfg)
+
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
         fused = self.shared_fused.get(i) if x.shape[0] <= SHARED_EXPERT_FUSION_MAX_TOKENS else None
-        logits = linear(x, self.acc_w[w.prefix + "gate.weight"], self.acc)
-        weights, ids = ops.moe_route(
-            logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
-            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
-            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
-            scoring=cfg.router_activation, shared_experts=cfg.num_shared_experts if fused else 0)
-        act = dict(activation=cfg.hidden_act, situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
+        weights, ids = self._route(w, linear(x, self.acc_w[w.prefix + "gate.weight"], self.acc),
+                                   cfg.num_shared_experts if fused else 0)
         if fused:  # the shared experts are experts E.. of this pass (SHARED_EXPERT_FUSION): nothing else to add
-            return ops.moe_experts(x, weights, ids, w13=fused["experts.w13"], w2=fused["experts.w2"], **act)
+            return ops.moe_experts(x, weights, ids, w13=fused["experts.w13"], w2=fused["experts.w2"], **self._act)
         # one GEMM for every projection of x: the latent down-projection, the shared experts' gate|up
-        parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
-        z = parts.pop(0) if cfg.routed_expert_hidden_size else x
+        z, parts = self._expert_input(w, x)
         if self.experts_packed:
             ex = dict(w13_packed=w["experts.w13_packed"], w13_scale=w["experts.w13_scale"],
                       w2_packed=w["experts.w2_packed"], w2_scale=w["experts.w2_scale"])
         else:
             ex = dict(w13=w["experts.w13"], w2=w["experts.w2"])
-        r = ops.moe_experts(z, weights, ids, **ex, **act)
-        if cfg.routed_expert_hidden_size:
-            if cfg.latent_moe_use_norm:
-                r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
-            r = linear(r, w["routed_expert_up_proj.weight"])
+        r = self._latent_up(w, ops.moe_experts(z, weights, ids, **ex, **self._act))
         if cfg.num_shared_experts:
             r = r + self._dense_mlp(w.sub("shared_experts."), parts[0])
         return r

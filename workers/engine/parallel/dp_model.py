@@ -65,30 +65,17 @@ class DEPForwardModel(K3ForwardModel):
 
     def _routed(self, w: LayerWeights, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every routed expert's share for this rank's tokens `z` [T, D] (ids: logical experts)."""
-        cfg = self.cfg
         d = dispatch(self.group, z, weights, ids, self.expert_map)
-        out = ops.moe_experts(d.tokens, d.weights, d.slots, w13=w["experts.w13"], w2=w["experts.w2"],
-                              activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
-                              situ_linear_beta=cfg.situ_linear_beta)
-        return combine(self.group, d, out)
+        return combine(self.group, d, ops.moe_experts(d.tokens, d.weights, d.slots, w13=w["experts.w13"],
+                                                      w2=w["experts.w2"], **self._act))
 
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """K3ForwardModel._moe with the routed experts through `_routed`."""
         cfg = self.cfg
         w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
-        logits = linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"])
-        weights, ids = ops.moe_route(
-            logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
-            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
-            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
-            scoring=cfg.router_activation)
-        parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
-        z = parts.pop(0) if cfg.routed_expert_hidden_size else x
-        r = self._routed(w, z, weights, ids)
-        if cfg.routed_expert_hidden_size:
-            if cfg.latent_moe_use_norm:
-                r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
-            r = linear(r, w["routed_expert_up_proj.weight"])
+        weights, ids = self._route(w, linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"]))
+        z, parts = self._expert_input(w, x)
+        r = self._latent_up(w, self._routed(w, z, weights, ids))
         if cfg.num_shared_experts:
             r = r + self._dense_mlp(w.sub("shared_experts."), parts[0])
         return r

@@ -59,18 +59,11 @@ class ParallelK3ForwardModel(K3ForwardModel):
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
-        logits = linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"])
-        weights, ids = ops.moe_route(
-            logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
-            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
-            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
-            scoring=cfg.router_activation)
-        parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
-        z = parts.pop(0) if cfg.routed_expert_hidden_size else x
+        weights, ids = self._route(w, linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"]))
+        z, parts = self._expert_input(w, x)
         if self.expert_index is not None:  # logical -> this rank's physical slot, -1: another rank's expert
             ids = torch.where(ids >= 0, self.expert_index[ids.clamp(min=0)], -1)
-        r = ops.moe_experts(z, weights, ids, w13=w["experts.w13"], w2=w["experts.w2"], activation=cfg.hidden_act,
-                            situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
+        r = ops.moe_experts(z, weights, ids, w13=w["experts.w13"], w2=w["experts.w2"], **self._act)
         shared = self._dense_mlp(w.sub("shared_experts."), parts[0]) if cfg.num_shared_experts else None
         if shared is not None and cfg.routed_expert_hidden_size:
             both = self.group.all_reduce(torch.cat([r, shared.to(r.dtype)], dim=-1))
@@ -79,8 +72,5 @@ class ParallelK3ForwardModel(K3ForwardModel):
             return self.group.all_reduce(r + shared)
         else:
             r = self.group.all_reduce(r)
-        if cfg.routed_expert_hidden_size:
-            if cfg.latent_moe_use_norm:
-                r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
-            r = linear(r, w["routed_expert_up_proj.weight"])
+        r = self._latent_up(w, r)
         return r if shared is None else r + shared

@@ -102,16 +102,9 @@ class SequenceParallelK3ForwardModel(ParallelK3ForwardModel):
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         w = LayerWeights(self.w, f"model.layers.{i}.block_sparse_moe.")
-        logits = linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"])
-        weights, ids = ops.moe_route(
-            logits, self.acc_w.get(w.prefix + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
-            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
-            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
-            scoring=cfg.router_activation)
-        parts = list(self._in_proj(w, x)) if w.prefix in self.split else []  # [latent z], [shared gate|up]
-        z = parts.pop(0) if cfg.routed_expert_hidden_size else x
-        ex = dict(w13=w["experts.w13"], w2=w["experts.w2"], activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
-                  situ_linear_beta=cfg.situ_linear_beta)
+        weights, ids = self._route(w, linear(x.to(self.acc), self.acc_w[w.prefix + "gate.weight"]))
+        z, parts = self._expert_input(w, x)
+        ex = dict(w13=w["experts.w13"], w2=w["experts.w2"], **self._act)
         if self._sharded:
             real = self._T - self.group.rank * self._s  # rows of this shard below T (the rest are pad)
             if real < x.shape[0]:
@@ -122,10 +115,7 @@ class SequenceParallelK3ForwardModel(ParallelK3ForwardModel):
         else:  # replicated tokens: this rank's experts (logical -> its slots, -1 elsewhere), one all-reduce
             ids = torch.where(ids >= 0, self.expert_index[ids.clamp(min=0)], -1)
             r = self.group.all_reduce(ops.moe_experts(z, weights, ids, **ex))
-        if cfg.routed_expert_hidden_size:
-            if cfg.latent_moe_use_norm:
-                r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
-            r = linear(r, w["routed_expert_up_proj.weight"])
+        r = self._latent_up(w, r)
         if cfg.num_shared_experts:
             r = r + self._dense_mlp(w.sub("shared_experts."), parts[0])
         return r

@@ -40,7 +40,7 @@ import logging
 import torch
 
 from k3serve.kernels import ops
-from k3serve.workers.engine.k3_forward import gate_sigmoid
+from k3serve.workers.engine.k3_forward import expert_act, gate_sigmoid, route
 from k3serve.workers.engine.spec.proposers import MTPProposer
 from k3serve.workers.engine.spec.staging import Staging
 from k3serve.workers.model.functional import acc_dtype, rope_interleaved
@@ -270,26 +270,9 @@ class GraphMTPProposer(MTPProposer):
         cfg = self.cfg
         w = self.layer_w[j].sub("block_sparse_moe.")
         gate_w, bias = self.router[j]
-        weights, ids = ops.moe_route(
-            ops.linear(y, gate_w, self.acc),
-            bias,
-            cfg.num_experts_per_token,
-            num_expert_group=cfg.num_expert_group or 1,
-            topk_group=cfg.topk_group or 1,
-            renormalize=cfg.moe_renormalize,
-            routed_scaling_factor=cfg.routed_scaling_factor,
-            scoring=cfg.router_activation,
-        )
+        weights, ids = route(cfg, ops.linear(y, gate_w, self.acc), bias)
         z, gu = ops.linear(y, self.m_moe[j]).split(self.m_moe_split[j], -1)
-        r = ops.moe_experts(
-            z,
-            weights,
-            ids,
-            activation=cfg.hidden_act,
-            situ_beta=cfg.situ_beta,
-            situ_linear_beta=cfg.situ_linear_beta,
-            **self.experts[j],
-        ).to(y.dtype)
+        r = ops.moe_experts(z, weights, ids, **expert_act(cfg), **self.experts[j]).to(y.dtype)
         if cfg.latent_moe_use_norm:
             r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
         r = ops.linear(r, w["routed_expert_up_proj.weight"])

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from k3serve.kernels import ops
+from k3serve.workers.engine.k3_forward import expert_act, route
 from k3serve.workers.model.functional import LayerWeights, acc_dtype, linear, rope_interleaved
 from k3serve.workers.model.mla import mla_output
 from k3serve.workers.model.moe import moe_forward
@@ -275,14 +276,9 @@ class MTPProposer:
             return moe_forward(x, w, cfg)
         acc = acc_dtype(self.dtype)
         gate_w, bias = self.router[j]
-        weights, ids = ops.moe_route(
-            linear(x.to(acc), gate_w), bias, cfg.num_experts_per_token,
-            num_expert_group=cfg.num_expert_group or 1, topk_group=cfg.topk_group or 1,
-            renormalize=cfg.moe_renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
-            scoring=cfg.router_activation)
+        weights, ids = route(cfg, linear(x.to(acc), gate_w), bias)
         z = linear(x, w["routed_expert_down_proj.weight"]) if cfg.routed_expert_hidden_size else x
-        r = ops.moe_experts(z, weights, ids, activation=cfg.hidden_act, situ_beta=cfg.situ_beta,
-                            situ_linear_beta=cfg.situ_linear_beta, **ex).to(x.dtype)
+        r = ops.moe_experts(z, weights, ids, **expert_act(cfg), **ex).to(x.dtype)
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
                 r = ops.rms_norm(r, w["routed_expert_norm.weight"], cfg.rms_norm_eps)
