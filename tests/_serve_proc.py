@@ -16,14 +16,13 @@ import openai
 import pytest
 
 
-def popen_until(cmd: list[str], pattern: str, timeout: float, what: str) -> tuple[subprocess.Popen, re.Match, list[str]]:
-    """Starts cmd (stdout and stderr one text pipe, PYTHONSAFEPATH=1) and reads its lines until one matches
-    `pattern`; returns (process, match, lines read). Fails the test with the output read, naming `what`, when the
-    process ends or `timeout` seconds pass first. The pipe is drained by a thread after that, so the process never
-    blocks on a full pipe."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONSAFEPATH="1"))
-    lines: list[str] = []
+def read_until(proc: subprocess.Popen, pattern: str, timeout: float, what: str,
+               lines: list[str] | None = None) -> re.Match:
+    """Reads proc's output lines (text stdout, stderr merged) into `lines` until one matches `pattern` and returns
+    the match; a thread appends the rest of the output to `lines` after that, so the process never blocks on a full
+    pipe. A process that ends or stays silent past `timeout` seconds is killed and fails the test with its output,
+    naming `what`."""
+    lines = [] if lines is None else lines
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -32,10 +31,18 @@ def popen_until(cmd: list[str], pattern: str, timeout: float, what: str) -> tupl
         lines.append(line)
         m = re.search(pattern, line)
         if m:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc, m, lines
+            threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
+            return m
     proc.kill()
     pytest.fail(f"{what} did not start:\n" + "".join(lines) + (proc.stdout.read() or ""))
+
+
+def popen_until(cmd: list[str], pattern: str, timeout: float, what: str) -> tuple[subprocess.Popen, re.Match, list[str]]:
+    """Starts cmd (PYTHONSAFEPATH=1) and `read_until` its line matching `pattern`: (process, match, its output)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONSAFEPATH="1"))
+    lines: list[str] = []
+    return proc, read_until(proc, pattern, timeout, what, lines), lines
 
 
 @contextlib.contextmanager

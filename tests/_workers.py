@@ -18,9 +18,9 @@ import threading
 import time
 
 import grpc
-import pytest
 
 from k3serve.proto import worker_pb2_grpc as pb_grpc
+from tests._serve_proc import read_until
 
 MAX_LEN = 256
 ENV = dict(os.environ, PYTHONSAFEPATH="1", K3SERVE_RENDEZVOUS_TIMEOUT_S="60")
@@ -37,19 +37,8 @@ def _start(model_dir, role, *extra, env_extra=None):
 def _wait_ready(proc, timeout=240, lines=None):
     """(grpc address, metrics url) from the worker's ready line. Its output goes on into `lines` (a thread reads
     it after the ready line); a worker that exits or stays silent past `timeout` is killed and fails the test."""
-    lines = [] if lines is None else lines
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"ready grpc=(\S+) metrics=(\S+)", line)
-        if m:
-            threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
-            return m.group(1), m.group(2)
-    proc.kill()
-    pytest.fail("worker did not start:\n" + "".join(lines))
+    m = read_until(proc, r"ready grpc=(\S+) metrics=(\S+)", timeout, "worker", lines)
+    return m.group(1), m.group(2)
 
 
 class _W:
