@@ -57,7 +57,9 @@ def mla_paged_attention(
     n_k = max(lens[b] for b in single)
     bs = kv_cache.shape[1]
     pages = cast(block_tables[rows, : math.ceil(n_k / bs)], torch.long)
-    kv = cast(kv_cache[pages].reshape(len(single), -1, kv_cache.shape[-1])[:, :n_k], dt)  # [D, n_k, L+R]
+    # index_select, not kv_cache[pages]: the same rows, ~5x faster on the CPU (advanced indexing's generic kernel)
+    kv = kv_cache.index_select(0, pages.reshape(-1)).reshape(len(single), -1, kv_cache.shape[-1])[:, :n_k]
+    kv = cast(kv, dt)  # [D, n_k, L+R]
     ctx = [lens[b] for b in single]
     past = torch.arange(n_k)[None, :] >= torch.tensor(ctx)[:, None]  # [D, n_k]
     _zero_tails(kv, ctx)  # (a fresh copy) whatever the unused page tails hold never reaches the output

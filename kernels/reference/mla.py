@@ -69,7 +69,7 @@ def mla_paged_attention(
         if nq > nk:
             raise ValueError(f"sequence {b}: {nq} query tokens but context length {nk}")
         blocks = block_tables[b, : math.ceil(nk / bs)].to(device=kv_cache.device, dtype=torch.long)
-        kv = kv_cache[blocks].reshape(-1, kv_cache.shape[-1])[:nk].to(dt)
+        kv = kv_cache.index_select(0, blocks).reshape(-1, kv_cache.shape[-1])[:nk].to(dt)
         c, kpe = kv[:, :L], kv[:, L:]
         ql, qp = q_lat[cu[b] : cu[b + 1]].to(dt), q_pe[cu[b] : cu[b + 1]].to(dt)
         s = (torch.einsum("thl,sl->hts", ql, c) + torch.einsum("thr,sr->hts", qp, kpe)) * scale
