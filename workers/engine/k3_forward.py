@@ -31,6 +31,7 @@ def gate_sigmoid(g: torch.Tensor, dtype: torch.dtype, acc: torch.dtype) -> torch
         return torch.sigmoid(g)
     return torch.sigmoid(g.to(acc)).to(dtype)
 
+
 def route(cfg, logits: torch.Tensor, bias: torch.Tensor | None, shared_experts: int = 0) -> tuple[torch.Tensor, ...]:
     """(top-k weights, expert ids) of MoE router logits [T, E] with the model's routing settings (`ops.moe_route`;
     `shared_experts` columns appended for SHARED_EXPERT_FUSION): the engine's models and the MTP drafters."""
